@@ -1,0 +1,65 @@
+"""Expose intermediate tensors as graph outputs, on a copy (ONNX Runtime's calibrator pattern).
+
+A tensor that is a graph output cannot be fused away by ONNX Runtime (e.g. a Conv
+output feeding a BatchNormalization stays the pre-BN tensor), so measurement sees
+the tensor as the graph defines it (ARCHITECTURE invariant 6; tested against
+ORT_DISABLE_ALL).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import onnx
+import onnx_graphsurgeon as gs
+
+from .errors import OnnxDiagError
+
+
+def expose_tensors(model: onnx.ModelProto, tensor_names: Sequence[str]) -> onnx.ModelProto:
+    """Return a copy of ``model`` whose outputs also include ``tensor_names``.
+
+    The original outputs keep their names and order and come first; exposed tensors
+    follow in the order given (duplicates and existing outputs are skipped). Never
+    modifies ``model``.
+
+    Raises:
+        OnnxDiagError: a name is not a tensor of the graph (the message lists a few).
+    """
+    graph = gs.import_onnx(model)
+    tensors = graph.tensors()
+    missing = [n for n in tensor_names if n not in tensors]
+    if missing:
+        known = sorted(n for n, t in tensors.items() if isinstance(t, gs.Variable))
+        raise OnnxDiagError(
+            f"Tensor {missing[0]!r} is not in the model (first 5 of {len(known)} tensors: "
+            f"{', '.join(known[:5])}); `onnxdiag inspect MODEL` lists layer outputs."
+        )
+    present = {t.name for t in graph.outputs}
+    for name in dict.fromkeys(tensor_names):
+        tensor = tensors[name]
+        if name in present:
+            continue
+        if isinstance(tensor, gs.Constant):
+            raise OnnxDiagError(
+                f"Tensor {name!r} is a constant (initializer), not a computed tensor; name a "
+                "node output instead."
+            )
+        graph.outputs.append(tensor)
+        present.add(name)
+    exported = gs.export_onnx(graph, do_type_check=False)
+    # graphsurgeon rebuilds the ModelProto; keep the original's metadata and versions.
+    exported.ir_version = model.ir_version
+    del exported.opset_import[:]
+    exported.opset_import.extend(model.opset_import)
+    exported.producer_name = model.producer_name
+    exported.producer_version = model.producer_version
+    _fill_missing_output_types(exported)
+    return exported
+
+
+def _fill_missing_output_types(model: onnx.ModelProto) -> None:
+    """Outputs exposed without inferred types get float32 (ORT needs an element type)."""
+    for out in model.graph.output:
+        if not out.type.tensor_type.elem_type:
+            out.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
