@@ -1,0 +1,254 @@
+"""Streaming float64 accumulators and spatial sampling (SPEC B1, ARCHITECTURE invariant 5).
+
+Every statistic is folded in batch by batch and the batch is dropped: memory grows
+with the number of features (channels), never with the number of samples.  The
+result does not depend on how the data were split into batches beyond floating
+point rounding (~1e-12 relative): each batch is centred on its own mean and
+combined with the running state by the pairwise update of Chan, Golub & LeVeque
+(1979), after subtracting a fixed shift (the first sample seen) so that a large
+common offset (|mean| >> std) cancels exactly instead of eating the precision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from onnxdiag.errors import DataError
+
+__all__ = [
+    "JointMoments",
+    "Moments",
+    "draw_positions",
+    "sample_positions",
+    "spatial_mean",
+]
+
+
+class Moments:
+    """Streaming count, mean, variance and (unbiased, ddof=1) covariance.
+
+    Args:
+        n_features: d, the width of every ``(n_samples, d)`` batch.
+        full: keep the full ``(d, d)`` covariance (O(d²) memory); with ``False``
+            only per-feature moments are kept (O(d)) and :meth:`cov` raises.
+
+    Accumulated state (never the samples): ``n``, the shift ``(d,)``, the shifted
+    mean ``(d,)`` and the centred sum of squares ``(d, d)`` or ``(d,)``.
+    """
+
+    def __init__(self, n_features: int, *, full: bool = True) -> None:
+        if n_features < 1:
+            raise ValueError(f"n_features must be >= 1, got {n_features}")
+        self.n_features = int(n_features)
+        self.full = bool(full)
+        self.n = 0
+        self._shift = np.zeros(self.n_features)
+        self._mean = np.zeros(self.n_features)  # mean of (x - shift)
+        shape = (self.n_features,) * (2 if self.full else 1)
+        self._m2 = np.zeros(shape)  # sum of centred squares / cross-products
+
+    def update(self, x: np.ndarray) -> Moments:
+        """Fold in a batch ``x`` of shape ``(n_samples, n_features)``; returns self.
+
+        An empty batch is a no-op.  ``x`` is read, never modified.
+        """
+        x = np.asarray(x, dtype=np.float64)
+        if x.ndim != 2 or x.shape[1] != self.n_features:
+            raise ValueError(f"expected shape (n, {self.n_features}), got {x.shape}")
+        if x.shape[0] == 0:
+            return self
+        if self.n == 0:
+            self._shift = x[0].copy()
+        xs = x - self._shift
+        batch_mean = xs.mean(axis=0)
+        centred = xs - batch_mean
+        if self.full:
+            batch_m2 = centred.T @ centred
+        else:
+            batch_m2 = np.einsum("ij,ij->j", centred, centred)
+        self._combine(x.shape[0], batch_mean, batch_m2)
+        return self
+
+    def merge(self, other: Moments) -> Moments:
+        """Fold in another accumulator (e.g. from a data shard); returns self.
+
+        ``other`` is not modified.  Both must have the same ``n_features``; a
+        ``full`` accumulator can only absorb another ``full`` one.
+        """
+        if other.n_features != self.n_features:
+            raise ValueError(f"n_features differ: {self.n_features} vs {other.n_features}")
+        if self.full and not other.full:
+            raise ValueError("cannot merge a diagonal-only Moments into a full one")
+        if other.n == 0:
+            return self
+        if self.n == 0:
+            self._shift = other._shift.copy()
+        # Express other's mean in our shift frame: the two shifts are close, so
+        # their difference is (nearly) exact.
+        other_mean = (other._shift - self._shift) + other._mean
+        other_m2 = other._m2 if self.full or not other.full else np.diag(other._m2).copy()
+        self._combine(other.n, other_mean, other_m2)
+        return self
+
+    def _combine(self, n_b: int, mean_b: np.ndarray, m2_b: np.ndarray) -> None:
+        """Chan et al. pairwise combination of (n, mean, M2) with a batch's."""
+        n_a = self.n
+        n = n_a + n_b
+        delta = mean_b - self._mean
+        weight = n_a * n_b / n
+        if self.full:
+            self._m2 += m2_b + np.outer(delta, delta) * weight
+        else:
+            self._m2 += m2_b + delta * delta * weight
+        self._mean += delta * (n_b / n)
+        self.n = n
+
+    @property
+    def mean(self) -> np.ndarray:
+        """``(n_features,)`` float64 mean (zeros before any update)."""
+        return self._shift + self._mean
+
+    def var(self) -> np.ndarray:
+        """``(n_features,)`` unbiased variance (ddof=1); DataError if n < 2."""
+        self._require_two()
+        diag = np.diag(self._m2) if self.full else self._m2
+        return diag / (self.n - 1)
+
+    def cov(self) -> np.ndarray:
+        """``(n_features, n_features)`` unbiased covariance (ddof=1), a new array."""
+        if not self.full:
+            raise ValueError("cov() needs Moments(..., full=True)")
+        self._require_two()
+        return self._m2 / (self.n - 1)
+
+    def _require_two(self) -> None:
+        if self.n < 2:
+            raise DataError(
+                f"A variance needs at least 2 samples, but only {self.n} were seen; "
+                "pass more data (check --limit)."
+            )
+
+
+class JointMoments:
+    """Moments of features ``y`` ``(n_samples, n_features)`` and a per-sample target ``t``.
+
+    The target is kept as an extra last column of one :class:`Moments`, so all
+    cross-moments (SPEC B1: n, Σy, Σyyᵀ, Σt, Σt², Σt·y) come from one accumulator.
+    """
+
+    def __init__(self, n_features: int) -> None:
+        self.n_features = int(n_features)
+        self.moments = Moments(self.n_features + 1, full=True)
+
+    def update(self, y: np.ndarray, t: np.ndarray) -> JointMoments:
+        """Fold in ``y`` ``(m, n_features)`` with targets ``t`` ``(m,)``; returns self."""
+        t = np.asarray(t, dtype=np.float64).reshape(-1, 1)
+        y = np.asarray(y, dtype=np.float64)
+        if y.ndim != 2 or y.shape[0] != t.shape[0]:
+            raise ValueError(f"y {y.shape} and t {t.shape[:1]} disagree on n_samples")
+        self.moments.update(np.hstack([y, t]))
+        return self
+
+    def merge(self, other: JointMoments) -> JointMoments:
+        """Fold in another accumulator; ``other`` is not modified; returns self."""
+        self.moments.merge(other.moments)
+        return self
+
+    @property
+    def n(self) -> int:
+        return self.moments.n
+
+    @property
+    def mean_y(self) -> np.ndarray:
+        """``(n_features,)`` mean of y."""
+        return self.moments.mean[:-1]
+
+    @property
+    def mean_t(self) -> float:
+        return float(self.moments.mean[-1])
+
+    @property
+    def cov_yy(self) -> np.ndarray:
+        """``(n_features, n_features)`` unbiased covariance of y."""
+        return self.moments.cov()[:-1, :-1]
+
+    @property
+    def cov_yt(self) -> np.ndarray:
+        """``(n_features,)`` unbiased covariance of each y_i with t."""
+        return self.moments.cov()[:-1, -1]
+
+    @property
+    def var_t(self) -> float:
+        """Unbiased variance of t."""
+        return float(self.moments.cov()[-1, -1])
+
+
+def draw_positions(
+    n_spatial: int, n_positions: int, *, seed: int, sample_indices: Sequence[int]
+) -> np.ndarray:
+    """Flat spatial positions ``(n_images, k)`` to sample, k = min(n_positions, n_spatial).
+
+    Image i's positions are drawn uniformly with replacement from a generator seeded
+    by ``(seed, sample_indices[i])``, so they do not depend on batching.  When
+    ``n_spatial <= n_positions`` every position is taken once, in order (SPEC B1).
+    """
+    indices = np.asarray(sample_indices, dtype=np.int64).reshape(-1)
+    if n_spatial <= n_positions:
+        return np.broadcast_to(np.arange(n_spatial), (indices.size, n_spatial))
+    rows = [
+        np.random.default_rng([int(seed), int(i)]).integers(0, n_spatial, size=n_positions)
+        for i in indices
+    ]
+    return np.stack(rows) if rows else np.zeros((0, n_positions), dtype=np.int64)
+
+
+def sample_positions(
+    x: np.ndarray,
+    n_positions: int = 16,
+    *,
+    seed: int,
+    sample_indices: Sequence[int],
+) -> np.ndarray:
+    """Spatial samples of a feature map: ``(n_images * k, n_channels)``.
+
+    Args:
+        x: ``(n_images, n_channels, *spatial)`` (e.g. NCHW) or ``(n_images, n_channels)``.
+        n_positions: positions per image, drawn as in :func:`draw_positions`;
+            k = min(n_positions, H·W) rows per image.
+        seed: base seed of the draw.
+        sample_indices: ``(n_images,)`` global index of each image in the data source.
+
+    Rows are image-major (image 0's k rows first), so per-image targets repeat as
+    ``np.repeat(t, k)``.  A 2-D ``x`` is returned as is (one sample per image).
+    Output keeps ``x``'s dtype; ``x`` is not modified.
+    """
+    x = np.asarray(x)
+    if x.ndim < 2:
+        raise ValueError(f"expected (n_images, n_channels, ...), got shape {x.shape}")
+    n_images, n_channels = x.shape[:2]
+    if len(sample_indices) != n_images:
+        raise ValueError(f"{len(sample_indices)} sample_indices for {n_images} images")
+    if x.ndim == 2:
+        return x
+    flat = x.reshape(n_images, n_channels, -1)
+    positions = draw_positions(
+        flat.shape[2], n_positions, seed=seed, sample_indices=sample_indices
+    )
+    # (n_images, 1) and (n_images, k) around a slice: result is (n_images, k, C).
+    picked = flat[np.arange(n_images)[:, None], :, positions]
+    return picked.reshape(-1, n_channels)
+
+
+def spatial_mean(x: np.ndarray) -> np.ndarray:
+    """Per-image spatial mean in float64: ``(n_images, n_channels, *spatial)`` → ``(n, C)``.
+
+    A 2-D ``x`` is returned as float64 unchanged (``--task-samples gap``, SPEC B3).
+    """
+    x = np.asarray(x)
+    if x.ndim < 2:
+        raise ValueError(f"expected (n_images, n_channels, ...), got shape {x.shape}")
+    if x.ndim == 2:
+        return x.astype(np.float64, copy=False)
+    return x.reshape(x.shape[0], x.shape[1], -1).mean(axis=2, dtype=np.float64)

@@ -1,0 +1,138 @@
+"""Streaming accumulators (oracle: NumPy on the concatenated data) and spatial sampling."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from onnxdiag.errors import DataError
+from onnxdiag.stats import JointMoments, Moments, sample_positions, spatial_mean
+
+N, D = 301, 6
+
+
+@pytest.fixture(scope="module")
+def data() -> np.ndarray:
+    """(N, D) correlated samples with |mean| >> std."""
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(N, D)) @ rng.normal(size=(D, D)) + 1e6 * np.arange(1, D + 1)
+
+
+def splits(n: int) -> dict[str, list[int]]:
+    """Batch boundaries: batch size 1, a regular size and uneven random sizes."""
+    rng = np.random.default_rng(1)
+    uneven = np.sort(rng.choice(np.arange(1, n), size=17, replace=False)).tolist()
+    return {"ones": list(range(1, n)), "sevens": list(range(7, n, 7)), "uneven": uneven}
+
+
+def stream(x: np.ndarray, cuts: list[int], **kwargs) -> Moments:
+    moments = Moments(x.shape[1], **kwargs)
+    for part in np.split(x, cuts):
+        moments.update(part)
+    return moments
+
+
+def relative(a, b) -> float:
+    return float(np.abs(np.asarray(a) - b).max() / np.abs(b).max())
+
+
+@pytest.mark.parametrize("name", ["ones", "sevens", "uneven"])
+def test_streamed_moments_equal_numpy(data, name):
+    moments = stream(data, splits(N)[name])
+    assert moments.n == N
+    assert relative(moments.mean, data.mean(axis=0)) < 1e-14
+    assert relative(moments.cov(), np.cov(data, rowvar=False)) < 1e-11
+    assert relative(moments.var(), data.var(axis=0, ddof=1)) < 1e-11
+
+
+def test_batch_splits_agree_to_rounding(data):
+    covs = [stream(data, cuts).cov() for cuts in splits(N).values()]
+    for cov in covs[1:]:
+        assert relative(cov, covs[0]) < 1e-12
+
+
+def test_diagonal_only_moments(data):
+    moments = stream(data, splits(N)["uneven"], full=False)
+    assert moments._m2.shape == (D,)
+    assert relative(moments.var(), data.var(axis=0, ddof=1)) < 1e-11
+    with pytest.raises(ValueError, match="full=True"):
+        moments.cov()
+
+
+def test_merge_equals_single_stream(data):
+    whole = stream(data, [])
+    shards = [stream(part, [5]) for part in np.split(data, [100, 101, 250])]
+    merged = Moments(D)
+    for shard in shards:
+        merged.merge(shard)
+    assert merged.n == N
+    assert relative(merged.cov(), whole.cov()) < 1e-12
+    assert relative(merged.mean, whole.mean) < 1e-15
+    diagonal = Moments(D, full=False).merge(shards[0]).merge(shards[1])
+    np.testing.assert_allclose(diagonal.var(), np.diag(Moments(D).merge(shards[0])
+                                                       .merge(shards[1]).cov()), rtol=1e-12)
+    with pytest.raises(ValueError):
+        Moments(D).merge(Moments(D, full=False))
+
+
+def test_empty_batch_and_too_few_samples():
+    moments = Moments(3).update(np.zeros((0, 3))).update(np.ones((1, 3)))
+    assert moments.n == 1
+    with pytest.raises(DataError, match="at least 2 samples, but only 1"):
+        moments.cov()
+    with pytest.raises(ValueError):
+        moments.update(np.ones((2, 4)))
+
+
+def test_joint_moments_match_stacked_cov(data):
+    y, t = data[:, :4], data[:, 4] * 1e-6 + data[:, 0]
+    joint = JointMoments(4)
+    for cut in np.split(np.arange(N), [3, 40, 41, 200]):
+        joint.update(y[cut], t[cut])
+    full = np.cov(np.column_stack([y, t]), rowvar=False)
+    assert joint.n == N
+    assert relative(joint.cov_yy, full[:4, :4]) < 1e-11
+    assert relative(joint.cov_yt, full[:4, 4]) < 1e-11
+    assert abs(joint.var_t - full[4, 4]) / full[4, 4] < 1e-11
+    assert abs(joint.mean_t - t.mean()) < 1e-9
+
+
+@pytest.fixture(scope="module")
+def maps() -> np.ndarray:
+    return np.random.default_rng(2).normal(size=(10, 3, 5, 6)).astype(np.float32)
+
+
+def test_sample_positions_is_independent_of_batching(maps):
+    whole = sample_positions(maps, 16, seed=7, sample_indices=np.arange(10) + 100)
+    parts = [sample_positions(maps[a:b], 16, seed=7, sample_indices=np.arange(a, b) + 100)
+             for a, b in [(0, 1), (1, 4), (4, 10)]]
+    assert whole.shape == (10 * 16, 3) and whole.dtype == np.float32
+    np.testing.assert_array_equal(whole, np.concatenate(parts))
+    again = sample_positions(maps, 16, seed=7, sample_indices=np.arange(10) + 100)
+    np.testing.assert_array_equal(whole, again)
+    other = sample_positions(maps, 16, seed=8, sample_indices=np.arange(10) + 100)
+    assert not np.array_equal(whole, other)
+
+
+def test_sampled_rows_are_positions_of_their_image(maps):
+    rows = sample_positions(maps, 16, seed=0, sample_indices=np.arange(10))
+    for i in range(10):
+        columns = maps[i].reshape(3, -1).T  # (H*W, C)
+        for row in rows[i * 16:(i + 1) * 16]:
+            assert (columns == row).all(axis=1).any()
+
+
+def test_small_maps_take_every_position_and_2d_passes_through(maps):
+    small = maps[:, :, :2, :3]  # H*W = 6 <= 16
+    rows = sample_positions(small, 16, seed=0, sample_indices=np.arange(10))
+    np.testing.assert_array_equal(rows, small.reshape(10, 3, 6).transpose(0, 2, 1).reshape(60, 3))
+    flat = maps[:, :, 0, 0]
+    assert sample_positions(flat, 16, seed=0, sample_indices=np.arange(10)) is flat
+    with pytest.raises(ValueError):
+        sample_positions(maps, 16, seed=0, sample_indices=np.arange(9))
+
+
+def test_spatial_mean(maps):
+    np.testing.assert_allclose(spatial_mean(maps), maps.astype(np.float64).mean(axis=(2, 3)))
+    assert spatial_mean(maps).dtype == np.float64
+    assert spatial_mean(maps[:, :, 0, 0]).shape == (10, 3)
