@@ -1,0 +1,120 @@
+"""The structure of a classifier graph in one record: head, layers, channel groups, totals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from ..errors import HeadNotFoundError
+from ._records import jsonable
+from .groups import ChannelGroup, find_channel_groups
+from .head import Head, find_head
+from .index import GraphIndex
+from .layers import Layer, find_layers, get_layer
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A graph input or output: name, NumPy dtype name (None if not a tensor), shape."""
+
+    name: str
+    dtype: str | None
+    shape: tuple | None
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype,
+                "shape": None if self.shape is None else list(self.shape)}
+
+
+@dataclass(frozen=True, eq=False)
+class Structure:
+    """What :func:`analyze_structure` finds.
+
+    Fields:
+        head: the classifier head (None only with ``require_head=False``).
+        layers, groups: see :func:`find_layers` / :func:`find_channel_groups`.
+        inputs / outputs: graph inputs (initializers excluded) and outputs.
+        opset, ir_version: default-domain opset and IR version.
+        n_params: elements of all floating-point initializers.
+        n_params_layers: weights + biases of the layers.
+        flops: sum of the layers' FLOPs (2 × MACs); None if any layer's is unknown.
+        flops_known: the sum over layers whose FLOPs are known.
+        notes: what was skipped or assumed.
+    """
+
+    head: Head | None
+    layers: tuple[Layer, ...]
+    groups: tuple[ChannelGroup, ...]
+    inputs: tuple[TensorInfo, ...]
+    outputs: tuple[TensorInfo, ...]
+    opset: int
+    ir_version: int
+    n_params: int
+    n_params_layers: int
+    flops: int | None
+    flops_known: int
+    notes: tuple[str, ...] = ()
+
+    def get_layer(self, node_name: str) -> Layer:
+        """The layer called ``node_name``; raises KeyError listing available names."""
+        return get_layer(list(self.layers), node_name)
+
+    def to_dict(self, *, arrays: bool = False) -> dict:
+        """JSON-able dict (head weight/bias summarised unless ``arrays``)."""
+        d = {k: jsonable(getattr(self, k)) for k in (
+            "layers", "groups", "inputs", "outputs", "opset", "ir_version", "n_params",
+            "n_params_layers", "flops", "flops_known", "notes")}
+        d["head"] = None if self.head is None else self.head.to_dict(arrays=arrays)
+        return d
+
+
+def analyze_structure(model: onnx.ModelProto, *, head: str | None = None,
+                      features: str | None = None, require_head: bool = True) -> Structure:
+    """Head, layers, channel groups and totals of ``model``; never modifies it.
+
+    Args:
+        model: a loaded model (see :func:`onnxdiag.model_io.load_model`).
+        head, features: overrides passed to :func:`find_head`.
+        require_head: when False a model without a head gives ``head=None`` and a note
+            instead of raising.
+
+    Raises:
+        HeadNotFoundError: no head (only when ``require_head``).
+    """
+    index = GraphIndex(model)
+    notes = []
+    try:
+        found = find_head(index, head=head, features=features)
+    except HeadNotFoundError as exc:
+        if require_head:
+            raise
+        found, notes = None, [str(exc)]
+    layers = find_layers(index, found)
+    groups = find_channel_groups(index, layers)
+    unknown = [la.node_name for la in layers if la.flops is None]
+    if unknown:
+        notes.append(f"FLOPs unknown for {len(unknown)} layer(s) (dynamic or unknown shapes), "
+                     f"first: {', '.join(unknown[:5])}")
+    known = sum(la.flops for la in layers if la.flops is not None)
+    return Structure(
+        head=found, layers=tuple(layers), groups=tuple(groups),
+        inputs=tuple(_info(index, n) for n in index.inputs),
+        outputs=tuple(_info(index, n) for n in index.outputs),
+        opset=index.opset, ir_version=int(model.ir_version),
+        n_params=_count_params(index), n_params_layers=sum(la.n_params for la in layers),
+        flops=None if unknown else known, flops_known=known, notes=tuple(notes))
+
+
+def _info(index: GraphIndex, name: str) -> TensorInfo:
+    et = index.elem_type(name)
+    dtype = None if et is None else np.dtype(onnx.helper.tensor_dtype_to_np_dtype(et)).name
+    return TensorInfo(name, dtype, index.shape(name))
+
+
+def _count_params(index: GraphIndex) -> int:
+    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
+              onnx.TensorProto.BFLOAT16)
+    return sum(int(np.prod(t.dims)) for t in index.initializers.values()
+               if t.data_type in floats)
