@@ -1,0 +1,160 @@
+"""One streaming pass that collects the channel statistics of SPEC B1.
+
+For every analysed conv (≥ 4 output channels, head excluded) the pre-BN output
+is exposed, sampled at 16 seeded spatial positions per image, and folded into
+float64 moments together with the per-image target T (the logit margin, SPEC B3)
+and a permutation control (T shuffled across the images of each batch, seeded).
+Memory is O(C²) per layer, independent of the number of images.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import OnnxDiagError
+from .instrument import expose_tensors
+from .probe import head_arrays, resolve_targets
+from .runner import OrtRunner
+from .stats import Moments, draw_positions, spatial_mean
+
+TASK_SAMPLES = ("match", "gap")
+MIN_CHANNELS = 4
+
+
+def find_analysed_layers(structure, layers=None) -> list:
+    """Convs with ≥ 4 output channels, head excluded (SPEC B1); or the named ones."""
+    if layers:
+        return [structure.get_layer(name) for name in layers]
+    return [la for la in structure.layers
+            if la.op_type == "Conv" and la.n_out >= MIN_CHANNELS and not la.is_head]
+
+
+def target_margin(U: np.ndarray, labels: np.ndarray | None) -> np.ndarray:
+    """Per-image logit margin T = U_y − max_{k≠y} U_k; y = labels, or the argmax (pseudo)."""
+    y = U.argmax(axis=1) if labels is None else np.asarray(labels, dtype=np.int64)
+    rows = np.arange(U.shape[0])
+    others = U.copy()
+    others[rows, y] = -np.inf
+    return U[rows, y] - others.max(axis=1)
+
+
+@dataclass
+class LayerMoments:
+    """Accumulated statistics of one layer (mergeable across shards).
+
+    ``task``: Moments of the columns [y (C), T, T_null] where y are the spatial
+    samples with T repeated per position ("match") or the per-image spatial means
+    ("gap"), and T_null is T permuted across images (the permutation control).
+    ``local``: Moments of the spatial samples (C) — only kept for "gap"; for "match"
+    the local statistics are the first C columns of ``task`` (one Gram update).
+    """
+
+    layer: str
+    n_channels: int
+    task: Moments
+    local: Moments | None = None
+    n_images: int = 0
+
+    def merge(self, other: LayerMoments) -> LayerMoments:
+        self.task.merge(other.task)
+        if self.local is not None:
+            self.local.merge(other.local)
+        self.n_images += other.n_images
+        return self
+
+    def local_moments(self) -> tuple[np.ndarray, np.ndarray]:
+        """(mean (C,), cov (C, C)) of the spatial samples: the local axis (B2)."""
+        if self.local is not None:
+            return self.local.mean, self.local.cov()
+        c = self.n_channels
+        return self.task.mean[:c], self.task.cov()[:c, :c]
+
+    def target_moments(self, *, null: bool = False) -> tuple[np.ndarray, np.ndarray, float]:
+        """(cov_yy, cov_yt, var_t) for the target axis (B3); ``null``: permuted T."""
+        c = self.n_channels
+        cov = self.task.cov()
+        j = c + (1 if null else 0)
+        return cov[:c, :c], cov[:c, j], float(cov[j, j])
+
+
+@dataclass(frozen=True)
+class ChannelStats:
+    """The result of :func:`collect_channel_moments`: per-layer moments and settings."""
+
+    layers: dict[str, LayerMoments]
+    targets: str
+    task_samples: str
+    n_positions: int
+    seed: int
+    n_images: int
+    data: dict = field(default_factory=dict)
+
+
+def collect_channel_moments(model, structure, source, *, layers=None, n_positions: int = 16,
+                            task_samples: str = "match", targets: str = "auto", seed: int = 0,
+                            providers=None, label: str | None = None) -> ChannelStats:
+    """Stream ``source`` once and accumulate every analysed layer's moments (SPEC B1).
+
+    ``targets``: "labels" (ground-truth logit margin), "pseudo" (the predicted class's
+    margin; flagged in reports) or "auto" (labels when present). Never modifies ``model``.
+    """
+    if task_samples not in TASK_SAMPLES:
+        raise OnnxDiagError(f"--task-samples must be one of {', '.join(TASK_SAMPLES)}; "
+                            f"got {task_samples!r}.")
+    targets = resolve_targets(targets, source.has_labels)
+    if targets == "expected":
+        raise OnnxDiagError("Channel targets must be 'labels' or 'pseudo' (the logit margin); "
+                            "'expected' applies to readouts only.")
+    chosen = find_analysed_layers(structure, layers)
+    if not chosen:
+        raise OnnxDiagError("No conv layer with at least 4 output channels to analyse; "
+                            "`onnxdiag inspect MODEL` lists the layers.")
+    head = structure.head
+    names = [la.output for la in chosen] + [head.features, head.logits]
+    runner = OrtRunner(expose_tensors(model, names), providers=providers)
+    acc = {la.node_name: LayerMoments(la.node_name, la.n_out, Moments(la.n_out + 2),
+                                      Moments(la.n_out) if task_samples == "gap" else None)
+           for la in chosen}
+    n_images = 0
+    for batch, out in runner.stream(source, names, label=label):
+        _, U = head_arrays(out, head)
+        t = target_margin(U, batch.labels if targets == "labels" else None)
+        t_null = _shuffle(t, seed, batch.indices)
+        positions: dict[int, np.ndarray] = {}
+        for la in chosen:
+            _fold(acc[la.node_name], out[la.output], t, t_null, batch.indices, positions,
+                  n_positions, seed, task_samples)
+        n_images += len(t)
+    return ChannelStats(layers=acc, targets=targets, task_samples=task_samples,
+                        n_positions=n_positions, seed=seed, n_images=n_images,
+                        data=source.describe())
+
+
+def _shuffle(t: np.ndarray, seed: int, indices: np.ndarray) -> np.ndarray:
+    """T permuted across the images of one batch (seeded by the batch's first index).
+
+    A within-batch permutation is a valid null as long as batches are not sorted by
+    class; it keeps memory O(batch) instead of storing every image's statistics.
+    """
+    first = int(indices[0]) if len(indices) else 0
+    return t[np.random.default_rng([seed, 7919, first]).permutation(len(t))]
+
+
+def _fold(acc: LayerMoments, x: np.ndarray, t, t_null, indices, positions, n_positions, seed,
+          task_samples) -> None:
+    n, c = x.shape[:2]
+    flat = x.reshape(n, c, -1)
+    hw = flat.shape[2]
+    if hw not in positions:
+        positions[hw] = draw_positions(hw, n_positions, seed=seed, sample_indices=indices)
+    pos = positions[hw]
+    k = pos.shape[1]
+    samples = flat[np.arange(n)[:, None], :, pos].reshape(-1, c).astype(np.float64)
+    if task_samples == "match":
+        acc.task.update(np.column_stack([samples, np.repeat(t, k), np.repeat(t_null, k)]))
+    else:
+        acc.local.update(samples)
+        acc.task.update(np.column_stack([spatial_mean(x), t, t_null]))
+    acc.n_images += n

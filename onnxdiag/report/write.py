@@ -1,0 +1,49 @@
+"""Write a report folder atomically: all files appear together or none do."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..errors import OutputError
+from ..model_io import ensure_writable_dir
+
+
+def write_report(folder, files: dict[str, str | bytes], *, overwrite: bool = False) -> Path:
+    """Write ``files`` ({name: content}) into ``folder``, atomically.
+
+    The files are written to a temporary sibling folder which is then renamed into
+    place. An existing non-empty ``folder`` is replaced only with ``overwrite``
+    (its old contents are removed only after the new report is complete).
+
+    Raises:
+        OutputError: the folder exists (without ``overwrite``) or is not writable.
+    """
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise OutputError(f"Report path '{folder}' is a file; give a folder name with --out.")
+    if folder.is_dir() and any(folder.iterdir()) and not overwrite:
+        raise OutputError(
+            f"Report folder '{folder}' already exists and is not empty; choose another --out "
+            "or pass --overwrite."
+        )
+    parent = ensure_writable_dir(folder.parent)
+    tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{folder.name}.tmp-"))
+    try:
+        for name, content in files.items():
+            mode = "wb" if isinstance(content, bytes) else "w"
+            with open(tmp / name, mode, **({} if mode == "wb" else {"encoding": "utf-8"})) as f:
+                f.write(content)
+        old = None
+        if folder.exists():
+            old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
+            os.replace(folder, old)
+        os.replace(tmp, folder)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder

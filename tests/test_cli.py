@@ -1,0 +1,175 @@
+"""CLI: help, happy paths on the bundled sample, and every user-error path (exit 1,
+one-line message, no traceback, no partial output)."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from onnxdiag.cli import cli
+from onnxdiag.sample import get_sample
+
+SAMPLE = get_sample()
+
+
+def run(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+def assert_user_error(result, fragment, out=None):
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    err = result.stderr.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    assert fragment in err, err
+    if out is not None:
+        assert not out.exists(), "no partial output may be left behind"
+
+
+@pytest.mark.parametrize("command", [[], ["analyze"], ["inspect"], ["readouts"], ["select"]])
+def test_help(command):
+    result = run(*command, "--help")
+    assert result.exit_code == 0
+    assert "Usage:" in result.output
+
+
+def test_analyze_bundled_sample(tmp_path):
+    out = tmp_path / "rep"
+    result = run("analyze", "--out", out, "--limit", 256)
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["schema"].startswith("onnxdiag.report/")
+    meta = report["metadata"]
+    assert meta["providers"] == ["CPUExecutionProvider"]
+    assert "onnxruntime" in meta["onnxruntime"]["distributions"]
+    assert len(meta["model_sha256"]) == 64
+    assert len(meta["data"]["probe"]["indices"]) == 256
+    assert report["structure"]["head"]["n_classes"] == 10
+    ro = report["readouts"]
+    assert ro["head_rel_error"] < 1e-4
+    assert ro["readouts"]["targets"] == "labels"
+    assert 0.5 < ro["evaluation"]["accuracy"] <= 1.0
+    text = (out / "report.txt").read_text()
+    assert "== Structure ==" in text and "== Readouts (SPEC A) ==" in text
+    assert "head_grad_feature" in result.output
+
+
+def test_inspect_json_lists_layers_with_bn():
+    result = run("inspect", SAMPLE.model, "--json")
+    assert result.exit_code == 0
+    structure = json.loads(result.output)
+    convs = [la for la in structure["layers"] if la["op_type"] == "Conv"]
+    assert convs and all(la["bn_node"] for la in convs)
+
+
+def test_readouts_json_format(tmp_path):
+    result = run("readouts", SAMPLE.model, "--data", SAMPLE.calibration, "--limit", 64,
+                 "--targets", "pseudo", "--format", "json", "--out", tmp_path / "r")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["readouts"]["readouts"]["targets"] == "pseudo"
+
+
+def test_select_reports_and_skips_a_broken_checkpoint(tmp_path):
+    ckpts = sorted(SAMPLE.checkpoints.glob("*.onnx"))
+    series = tmp_path / "series"
+    series.mkdir()
+    for i, c in enumerate(ckpts[-3:]):
+        shutil.copy(c, series / f"ckpt_{i}.onnx")
+    (series / "ckpt_3.onnx").write_bytes(b"not a model")
+    result = run("select", series, "--data", SAMPLE.calibration, "--eval-data",
+                 SAMPLE.evaluation, "--limit", 64, "--jobs", 1, "--out", tmp_path / "sel")
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "sel" / "report.json").read_text())
+    sel = report["selection"]
+    assert sel["n_scored"] == 3
+    assert [f["path"].endswith("ckpt_3.onnx") for f in sel["failed"]] == [True]
+    assert "SKIPPED" in result.output and "not a valid ONNX file" in result.output
+    assert sel["evaluation"]["oracle_overall"]["index"] in range(3)
+
+
+# ----------------------------------------------------------------------------- user errors
+
+def test_missing_model(tmp_path):
+    out = tmp_path / "rep"
+    assert_user_error(run("analyze", tmp_path / "nope.onnx", "--out", out), "does not exist", out)
+
+
+def test_not_onnx_and_truncated(tmp_path):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x00garbage" * 10)
+    out = tmp_path / "rep"
+    assert_user_error(run("analyze", bad, "--out", out), "not a valid ONNX", out)
+    data = SAMPLE.model.read_bytes()
+    bad.write_bytes(data[: len(data) // 2])
+    result = run("analyze", bad, "--out", out)
+    assert result.exit_code == 1 and not out.exists()
+
+
+def test_no_linear_head(tmp_path):
+    import corpus
+    import onnx
+
+    path = tmp_path / "nohead.onnx"
+    onnx.save(corpus.no_linear_head(), path)
+    assert_user_error(run("inspect", path), "--head NODE")
+
+
+def _npz(tmp_path, name, **arrays):
+    path = tmp_path / name
+    np.savez(path, **arrays)
+    return path
+
+
+@pytest.mark.parametrize("case, fragment", [
+    ("shape", "expects"),
+    ("name", "is not an input of the model"),
+    ("nan", "NaN"),
+    ("empty", "empty"),
+    ("labels", "labels"),
+])
+def test_bad_data(tmp_path, case, fragment):
+    x = np.random.default_rng(0).random((8, 1, 28, 28), dtype=np.float32)
+    y = np.arange(8) % 10
+    arrays = {
+        "shape": dict(input=x[:, :, :20], labels=y),
+        "name": dict(images=x, labels=y),
+        "nan": dict(input=np.where(np.arange(8)[:, None, None, None] == 3, np.nan, x),
+                    labels=y),
+        "empty": dict(input=x[:0], labels=y[:0]),
+        "labels": dict(input=x, labels=y[:5]),
+    }[case]
+    data = _npz(tmp_path, f"{case}.npz", **arrays)
+    out = tmp_path / "rep"
+    assert_user_error(run("analyze", SAMPLE.model, "--data", data, "--out", out), fragment, out)
+
+
+def test_existing_report_folder_is_not_overwritten(tmp_path):
+    out = tmp_path / "rep"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert_user_error(run("analyze", "--out", out, "--limit", 8), "--overwrite")
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_unwritable_output(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert_user_error(run("analyze", "--out", blocker / "sub" / "rep", "--limit", 8),
+                      "Cannot create output folder")
+
+
+def test_console_script_exit_code_and_debug(tmp_path):
+    """The installed entry point: exit 1 with one line; --debug shows the traceback."""
+    cmd = [sys.executable, "-m", "onnxdiag.cli"]
+    plain = subprocess.run(cmd + ["inspect", str(tmp_path / "x.onnx")], capture_output=True,
+                           text=True)
+    assert plain.returncode == 1
+    assert plain.stderr.strip().count("\n") == 0 and "Traceback" not in plain.stderr
+    debug = subprocess.run(cmd + ["--debug", "inspect", str(tmp_path / "x.onnx")],
+                           capture_output=True, text=True)
+    assert debug.returncode == 1 and "Traceback" in debug.stderr
