@@ -1,0 +1,186 @@
+#!/usr/bin/env python3
+"""Cost of onnxdiag's measurement passes relative to plain ONNX Runtime inference.
+
+    python benchmarks/bench_core.py [--model models/sample/model.onnx] [--n 10000]
+
+Measures on N real Fashion-MNIST test images (Debian package dataset-fashion-mnist):
+  plain      plain ORT inference of the model (the baseline, 1.00x)
+  expose     the same pass with every conv output exposed as a graph output (issue 2)
+  readouts   the readout pass: head features + logits exposed, readouts accumulated (issue 3)
+  channels   the channel-statistics pass over all analysed layers (issue 4)
+and the peak resident memory of the channel-statistics pass at N/10 and N images (separate
+processes), which must not grow with N. Each timing is the best of --repeat runs after a
+warm-up; ORT uses its default threads (all cores) in every variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+FMNIST = Path("/usr/share/datasets/fashion-mnist")
+
+
+def load_fashion_mnist_test(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """First n test images as float32 (n, 1, 28, 28) in [0, 1], and labels."""
+    with gzip.open(FMNIST / "t10k-images-idx3-ubyte.gz") as f:
+        x = np.frombuffer(f.read(), np.uint8, offset=16).reshape(-1, 1, 28, 28)
+    with gzip.open(FMNIST / "t10k-labels-idx1-ubyte.gz") as f:
+        y = np.frombuffer(f.read(), np.uint8, offset=8).astype(np.int64)
+    reps = -(-n // len(x))
+    x, y = np.concatenate([x] * reps)[:n], np.concatenate([y] * reps)[:n]
+    return (x.astype(np.float32) / 255.0), y
+
+
+def best_of(fn, repeat: int) -> float:
+    fn()  # warm-up (session creation is excluded from every variant alike)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def run_variants(model_path: str, n: int, batch_size: int, repeat: int) -> dict:
+    from onnxdiag.collect import collect_channel_moments, find_analysed_layers
+    from onnxdiag.data import open_data
+    from onnxdiag.graph import analyze_structure
+    from onnxdiag.instrument import expose_tensors
+    from onnxdiag.model_io import get_input_specs, load_model
+    from onnxdiag.probe import make_head_runner, probe_model
+    from onnxdiag.runner import OrtRunner
+
+    model = load_model(model_path)
+    structure = analyze_structure(model)
+    x, y = load_fashion_mnist_test(n)
+    source = open_data({"input": x, "labels": y}, get_input_specs(model), batch_size=batch_size)
+    convs = [la.output for la in structure.layers if la.op_type == "Conv"]
+    plain = OrtRunner(model)
+    exposed = OrtRunner(expose_tensors(model, convs))
+    head_runner = make_head_runner(model, structure.head)
+
+    def run_all(runner, names=None):
+        for batch in source.batches():
+            runner.run(batch.feeds, names)
+
+    results = {
+        "plain": best_of(lambda: run_all(plain), repeat),
+        "expose": best_of(lambda: run_all(exposed), repeat),
+        "readouts": best_of(lambda: probe_model(model, structure, source, runner=head_runner),
+                            repeat),
+        "channels": best_of(lambda: collect_channel_moments(model, structure, source), repeat),
+    }
+    return {"seconds": results,
+            "ratio": {k: v / results["plain"] for k, v in results.items()},
+            "n_images": n, "batch_size": batch_size, "n_convs_exposed": len(convs),
+            "n_layers_analysed": len(find_analysed_layers(structure))}
+
+
+class RssSampler:
+    """Peak resident set size (KiB) of this process while the block runs (5 ms polling)."""
+
+    def __enter__(self):
+        import threading
+
+        self.start_kb = self.peak_kb = _rss_kb()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def _poll(self):
+        while not self._stop.wait(0.005):
+            self.peak_kb = max(self.peak_kb, _rss_kb())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak_kb = max(self.peak_kb, _rss_kb())
+
+
+def _rss_kb() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * (resource.getpagesize() // 1024)
+
+
+def peak_memory_mb(model_path: str, n: int, batch_size: int) -> float:
+    """Peak RSS (MiB) during the channel-statistics pass on n images, in a fresh process."""
+    cmd = [sys.executable, __file__, "--memory-child", str(n), "--model", model_path,
+           "--batch-size", str(batch_size)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.split()
+    peak_kb, before_kb, data_bytes = int(out[0]), int(out[1]), int(out[2])
+    return {"peak_mib": peak_kb / 1024, "before_pass_mib": before_kb / 1024,
+            "growth_mib": (peak_kb - before_kb) / 1024, "data_mib": data_bytes / 2**20}
+
+
+def memory_child(model_path: str, n: int, batch_size: int) -> None:
+    """Run in a fresh process: the pass once (warm-up), then measured; print KiB numbers."""
+    from onnxdiag.collect import collect_channel_moments
+    from onnxdiag.data import open_data
+    from onnxdiag.graph import analyze_structure
+    from onnxdiag.model_io import get_input_specs, load_model
+
+    model = load_model(model_path)
+    structure = analyze_structure(model)
+    base, labels = load_fashion_mnist_test(1000)  # the same 3 MiB whatever n is
+    source = open_data(BatchStream(base, labels, n, batch_size), get_input_specs(model),
+                       batch_size=batch_size)
+    collect_channel_moments(model, structure, source)  # warm-up: sessions, allocator arenas
+    with RssSampler() as r:
+        collect_channel_moments(model, structure, source)
+    print(r.peak_kb, r.start_kb, n * base[0].nbytes)
+
+
+class BatchStream:
+    """A re-iterable stream of n images in batches, cycling over a small base set, so the
+    data held in memory does not depend on n (what a folder or loader script gives)."""
+
+    def __init__(self, base, labels, n, batch_size):
+        self.base, self.labels, self.n, self.batch_size = base, labels, n, batch_size
+
+    def __iter__(self):
+        for start in range(0, self.n, self.batch_size):
+            idx = np.arange(start, min(self.n, start + self.batch_size)) % len(self.base)
+            yield {"input": self.base[idx], "labels": self.labels[idx]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    ap.add_argument("--model", default=str(ROOT / "models" / "sample" / "model.onnx"))
+    ap.add_argument("--n", type=int, default=10000)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", default=None, help="Also write the results here.")
+    ap.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.memory_child:
+        return memory_child(args.model, args.memory_child, args.batch_size)
+    res = run_variants(args.model, args.n, args.batch_size, args.repeat)
+    res["memory"] = {str(k): peak_memory_mb(args.model, k, args.batch_size)
+                     for k in (args.n // 10, args.n)}
+    res["machine"] = f"{platform.machine()}, {platform.processor() or ''} "\
+                     f"{__import__('os').cpu_count()} cores, Python {platform.python_version()}"
+    print(f"{'pass':10s} {'seconds':>8s} {'x plain':>8s}")
+    for k, v in res["seconds"].items():
+        print(f"{k:10s} {v:8.3f} {res['ratio'][k]:8.2f}")
+    for k, m in res["memory"].items():
+        print(f"channel-statistics pass, {k} images: peak RSS {m['peak_mib']:.1f} MiB, "
+              f"growth during the pass {m['growth_mib']:.1f} MiB (streamed data: "
+              f"{m['data_mib']:.1f} MiB in all)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
