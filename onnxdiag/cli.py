@@ -252,5 +252,42 @@ def channels(models, fmt, layers, **kwargs):
     _emit(channels_report(list(models), layers=list(layers) or None, **_common(kwargs)), fmt)
 
 
+@cli.command()
+@click.argument("model")
+@click.option("--layer", "layers", multiple=True, required=True,
+              help="Layer (node name) whose channels are lesioned; repeatable.")
+@click.option("--channels", default=None,
+              help="Comma-separated channel indices (default: all, or --sample N).")
+@click.option("--sample", type=click.IntRange(min=1), default=None,
+              help="Lesion this many seeded random channels per layer.")
+@click.option("--substitute", is_flag=True,
+              help="Also replace each channel by its ridge reconstruction from its peers.")
+@click.option("--pairs", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Random channel pairs per layer for pair lesions (excess damage).")
+@data_options("eval-", required=True)
+@data_options()
+@sampling_options
+@head_options
+@click.option("--targets", type=click.Choice(["auto", "labels", "pseudo"]), default="auto",
+              show_default=True, help="Target of the channel scores computed on --data.")
+@output_options
+def lesion(model, fmt, layers, channels, **kwargs):
+    """Lesion channels and measure the damage on labelled data (SPEC B5).
+
+    With --data (calibration images) the channels are scored, --substitute becomes
+    possible, and the report tests which score predicts the damage.
+    """
+    from .channel_report import lesion_report
+
+    chans = None
+    if channels:
+        try:
+            chans = [int(c) for c in channels.split(",") if c.strip()]
+        except ValueError:
+            raise click.BadParameter("give integers such as 0,3,7",
+                                     param_hint="--channels") from None
+    _emit(lesion_report(model, layers=list(layers), channels=chans, **_common(kwargs)), fmt)
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
