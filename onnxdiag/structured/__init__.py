@@ -1,0 +1,21 @@
+"""Structured pruning: physical channel removal over dependency groups (SPEC B6).
+
+- :func:`prune_channels` — remove a plan's channels from a copy of the model.
+- :func:`plan_pruning` — scores + budget (uniform / reference / global) → :class:`Plan`.
+- :func:`magnitude_scores`, :func:`bn_scale_scores`, :func:`random_scores` — scores
+  from the model alone; :func:`score_groups` — layer scores → group scores.
+- :func:`save_plan` / :func:`load_plan` / :func:`replay_plan` — plans as JSON, replayed
+  to the same bytes on the same model.
+
+No function modifies its input model.
+"""
+
+from .plan import BUDGETS, PLAN_SCHEMA, Plan, load_plan, plan_pruning, replay_plan, save_plan
+from .prune import GroupCut, PruneRecord, normalize_removed, prune_channels
+from .scores import bn_scale_scores, magnitude_scores, random_scores, score_groups
+
+__all__ = [
+    "BUDGETS", "PLAN_SCHEMA", "GroupCut", "Plan", "PruneRecord", "bn_scale_scores",
+    "load_plan", "magnitude_scores", "normalize_removed", "plan_pruning", "prune_channels",
+    "random_scores", "replay_plan", "save_plan", "score_groups",
+]
