@@ -1,0 +1,138 @@
+"""Evaluate one Conv / Gemm / MatMul offline in NumPy (SPEC C2: never a network pass per s).
+
+The layer's input is turned into columns once (im2col for a conv, honouring
+stride, pads / auto_pad, dilation and groups); any weight — dense, masked, or the
+pruned-away part — is then one (batched) matrix product with those columns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from ..errors import OnnxDiagError
+from ..graph import GraphIndex
+from ..graph.index import get_attr
+
+
+@dataclass(frozen=True)
+class LayerOp:
+    """How a layer maps its input to its output (the ONNX attributes that matter).
+
+    ``kind``: "conv" or "linear"; conv: ``stride``, ``pads`` (begins then ends),
+    ``dilation``, ``groups``, ``auto_pad``; linear: ``layout`` ("oi": y = x·Wᵀ, "io":
+    y = x·W), ``alpha`` / ``beta`` (Gemm's scales of x·W and of the bias).
+    """
+
+    name: str
+    kind: str
+    stride: tuple[int, ...] = ()
+    pads: tuple[int, ...] = ()
+    dilation: tuple[int, ...] = ()
+    groups: int = 1
+    auto_pad: str = "NOTSET"
+    layout: str = "oi"
+    alpha: float = 1.0
+    beta: float = 1.0
+
+
+def layer_op(model_or_index, layer) -> LayerOp:
+    """The :class:`LayerOp` of ``layer`` (a :class:`~onnxdiag.graph.Layer`) in its model."""
+    index = model_or_index if isinstance(model_or_index, GraphIndex) else GraphIndex(model_or_index)
+    node = index.get_node(layer.node_name)
+    if layer.op_type == "Conv":
+        if len(layer.kernel) not in (1, 2):
+            raise OnnxDiagError(f"Layer {layer.node_name!r} is a {len(layer.kernel)}-D conv; "
+                                "offline evaluation supports 1-D and 2-D convs only.")
+        pad = get_attr(node, "auto_pad", b"NOTSET")
+        return LayerOp(layer.node_name, "conv", tuple(layer.stride), tuple(layer.pads),
+                       tuple(layer.dilation), layer.groups,
+                       pad.decode() if isinstance(pad, bytes) else str(pad))
+    return LayerOp(layer.node_name, "linear", layout=layer.weight_layout,
+                   alpha=float(get_attr(node, "alpha", 1.0)),
+                   beta=float(get_attr(node, "beta", 1.0)))
+
+
+def layer_columns(op: LayerOp, x: np.ndarray, kernel: tuple[int, ...] = ()):
+    """Columns of input ``x`` and the output's leading shape, ``(cols, lead)``.
+
+    Conv: ``x`` (n, C_in, *spatial) → cols (n·Π out_spatial, groups, C_in/groups·Π kernel),
+    lead ``(n, *out_spatial)``.  Linear: ``x`` (..., n_in) → (Π leading, 1, n_in), lead the
+    leading shape.  Outputs are ``apply_columns(cols, matrix)`` (P, C_out), samples first.
+    """
+    if op.kind == "conv":
+        return conv_columns(op, x, kernel)
+    x = np.asarray(x, dtype=np.float32)
+    return x.reshape(-1, 1, x.shape[-1]), tuple(x.shape[:-1])
+
+
+def conv_columns(op: LayerOp, x: np.ndarray, kernel: tuple[int, ...]):
+    """im2col of ``x`` (n, C, *spatial) for a 1-D / 2-D conv (see :func:`layer_columns`)."""
+    x = np.asarray(x, dtype=np.float32)
+    if len(kernel) == 1:
+        op2 = LayerOp(op.name, "conv", (1, *op.stride), (0, op.pads[0], 0, op.pads[1]),
+                      (1, *op.dilation), op.groups, op.auto_pad)
+        cols, lead = conv_columns(op2, x[:, :, None, :], (1, *kernel))
+        return cols, (lead[0], lead[2])
+    n, c = x.shape[:2]
+    pads = _resolve_pads(op, x.shape[2:], kernel)
+    xp = np.pad(x, ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
+    span = [d * (k - 1) + 1 for d, k in zip(op.dilation, kernel)]
+    win = sliding_window_view(xp, span, axis=(2, 3))
+    win = win[:, :, ::op.stride[0], ::op.stride[1], ::op.dilation[0], ::op.dilation[1]]
+    ho, wo = win.shape[2:4]
+    cols = win.transpose(0, 2, 3, 1, 4, 5).reshape(n * ho * wo, op.groups, -1)
+    return np.ascontiguousarray(cols), (n, ho, wo)
+
+
+def _resolve_pads(op: LayerOp, spatial, kernel) -> tuple[int, ...]:
+    if op.auto_pad in ("NOTSET", ""):
+        return tuple(op.pads) if op.pads else (0,) * 4
+    if op.auto_pad == "VALID":
+        return (0,) * 4
+    begins, ends = [], []
+    for size, k, s, d in zip(spatial, kernel, op.stride, op.dilation):
+        out = -(-size // s)
+        total = max(0, (out - 1) * s + d * (k - 1) + 1 - size)
+        small, big = total // 2, total - total // 2
+        begins.append(small if op.auto_pad == "SAME_UPPER" else big)
+        ends.append(big if op.auto_pad == "SAME_UPPER" else small)
+    return (*begins, *ends)
+
+
+def weight_matrix(op: LayerOp, weight: np.ndarray) -> np.ndarray:
+    """``weight`` as (groups, K, n_out / groups) so that y = cols @ matrix per group."""
+    w = np.asarray(weight, dtype=np.float32)
+    if op.kind == "linear":
+        return (w.T if op.layout == "oi" else w)[None]
+    g = op.groups
+    return w.reshape(g, w.shape[0] // g, -1).transpose(0, 2, 1)
+
+
+def apply_columns(cols: np.ndarray, matrix: np.ndarray) -> np.ndarray:
+    """(P, g, K) columns × (g, K, O) weights → (P, g·O) outputs, channel c = group·O + o."""
+    if cols.shape[1] == 1:
+        return cols[:, 0, :] @ matrix[0]
+    return np.matmul(cols.transpose(1, 0, 2), matrix).transpose(1, 0, 2).reshape(cols.shape[0], -1)
+
+
+def evaluate_layer(op: LayerOp, x: np.ndarray, weight: np.ndarray,
+                   bias: np.ndarray | None = None) -> np.ndarray:
+    """The layer's output (its ``Layer.output`` tensor) for input ``x`` and ``weight``.
+
+    Conv: (n, C_out, *out_spatial); linear: (..., n_out) with Gemm's alpha / beta.
+    ``bias`` is the node's own bias input (not a separate Add).  Computed in float32.
+    """
+    kernel = tuple(np.asarray(weight).shape[2:])
+    cols, lead = layer_columns(op, x, kernel)
+    if op.kind == "linear":
+        y = apply_columns(cols, weight_matrix(op, weight)) * np.float32(op.alpha)
+        if bias is not None:
+            y = y + np.float32(op.beta) * np.asarray(bias, np.float32).reshape(1, -1)
+        return y.reshape(*lead, -1)
+    y = apply_columns(cols, weight_matrix(op, weight))
+    if bias is not None:
+        y = y + np.asarray(bias, np.float32).reshape(1, -1)
+    return np.moveaxis(y.reshape(*lead, -1), -1, 1)

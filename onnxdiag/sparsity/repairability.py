@@ -1,0 +1,248 @@
+"""Relative repairability RR(ℓ, s) of every prunable layer (SPEC C2).
+
+One ONNX Runtime pass captures each prunable layer's dense *input* on a fixed
+number of calibration images; then, per layer and per sparsity s of the grid, the
+single layer is evaluated offline (:mod:`onnxdiag.sparsity.offline`) with its
+magnitude mask — never a network pass per (ℓ, s).  With y^d the dense and y^p the
+pruned pre-BN output (all images × positions; population moments):
+
+    D_raw    = Σ_c E[(y^d_c − y^p_c)²] / Σ_c Var(y^d_c)
+    D_repair = Σ_c E[(y^d_c − ŷ_c)²] / Σ_c Var(y^d_c),  ŷ_c = μ^d_c + σ^d_c/σ^p_c (y^p_c − μ^p_c)
+    RR       = (D_repair + ε) / (D_raw + ε)
+
+Per channel E[(y^d − ŷ)²] = 2σ^d²(1 − corr(y^d, y^p)); a channel with σ^p = 0 can only be
+restored to its mean, error σ^d² (**our default** for that 0/0; σ^p < 1e-6·σ^d counts as 0).
+Only the per-channel moments of (y^d, y^d − y^p) are accumulated, batch by batch (memory
+O(L·|grid|·C)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import sparse
+
+from ..errors import DataError, OnnxDiagError
+from ..graph import GraphIndex
+from ..graph._records import jsonable
+from ..instrument import expose_tensors
+from ..runner import OrtRunner
+from .budget import prune_count
+from .masks import magnitude_order
+from .offline import apply_columns, layer_columns, layer_op, weight_matrix
+
+#: SPEC C2 default grid: {0, 0.05, …, 0.9} ∪ {0.91, …, 0.99} (28 points).
+DEFAULT_GRID = tuple(round(0.05 * i, 2) for i in range(19)) + tuple(
+    round(0.91 + 0.01 * i, 2) for i in range(9))
+
+
+@dataclass(frozen=True, eq=False)
+class RRCurves:
+    """RR curves of L layers on a grid of n_s sparsities.
+
+    Fields: ``layers`` (L,) names; ``grid`` (n_s,); ``d_raw`` / ``d_repair`` / ``rr`` (L, n_s);
+    ``n_weights`` (L,); ``n_images`` calibration images; ``n_samples`` (L,) rows (images ×
+    positions) per layer; ``eps`` (SPEC C2's ε).  Between grid points values are linearly
+    interpolated, outside the grid clamped to the end values.
+    """
+
+    layers: tuple[str, ...]
+    grid: np.ndarray
+    d_raw: np.ndarray
+    d_repair: np.ndarray
+    rr: np.ndarray
+    n_weights: tuple[int, ...]
+    n_images: int
+    n_samples: tuple[int, ...]
+    eps: float = 1e-12
+
+    def get_index(self, layer: str) -> int:
+        """Row of ``layer``; OnnxDiagError listing the layers otherwise."""
+        try:
+            return self.layers.index(layer)
+        except ValueError:
+            raise OnnxDiagError(f"No RR curve for layer {layer!r}; curves exist for (first 5 of "
+                                f"{len(self.layers)}) {', '.join(self.layers[:5])}.") from None
+
+    def rr_at(self, layer: str, s: float) -> float:
+        """RR(layer, s), interpolated on the grid."""
+        return float(np.interp(s, self.grid, self.rr[self.get_index(layer)]))
+
+    def d_repair_at(self, layer: str, s: float) -> float:
+        """D_repair(layer, s), interpolated on the grid."""
+        return float(np.interp(s, self.grid, self.d_repair[self.get_index(layer)]))
+
+    def d_raw_at(self, layer: str, s: float) -> float:
+        """D_raw(layer, s), interpolated on the grid."""
+        return float(np.interp(s, self.grid, self.d_raw[self.get_index(layer)]))
+
+    def to_dict(self) -> dict:
+        return {k: jsonable(getattr(self, k)) for k in (
+            "layers", "grid", "d_raw", "d_repair", "rr", "n_weights", "n_images", "n_samples",
+            "eps")}
+
+
+class PairMoments:
+    """Streaming per-channel moments of a pair (a, b), each ``(n_samples, n_channels)``.
+
+    Keeps n, means and centred sums Σaa, Σbb, Σab (Chan et al. pairwise update, float64),
+    so the result does not depend on the batch split.
+    """
+
+    def __init__(self, n_channels: int):
+        self.n = 0
+        self.mean_a = np.zeros(n_channels)
+        self.mean_b = np.zeros(n_channels)
+        self.s_aa = np.zeros(n_channels)
+        self.s_bb = np.zeros(n_channels)
+        self.s_ab = np.zeros(n_channels)
+
+    def update(self, a: np.ndarray, b: np.ndarray) -> PairMoments:
+        """Fold in a batch: ``a``, ``b`` of shape ``(n_samples, n_channels)``; returns self."""
+        a_t = np.asarray(a, np.float64).T
+        return self.update_channels_first(centre_rows(a_t), np.ascontiguousarray(
+            np.asarray(b, np.float64).T))
+
+    def update_channels_first(self, a_centred: tuple, b_t: np.ndarray) -> PairMoments:
+        """Fold in a batch given as ``centre_rows(a.T)`` and ``b.T`` ``(n_channels, n)``.
+
+        Lets one dense batch ``a`` be centred once and paired with many ``b``.
+        """
+        ma, ca, saa = a_centred
+        m = ca.shape[1]
+        if m == 0:
+            return self
+        mb = b_t.mean(axis=1)
+        cb = b_t - mb[:, None]
+        n = self.n + m
+        da, db, w = ma - self.mean_a, mb - self.mean_b, self.n * m / n
+        self.s_aa += saa + da * da * w
+        self.s_bb += np.einsum("ij,ij->i", cb, cb) + db * db * w
+        self.s_ab += np.einsum("ij,ij->i", ca, cb) + da * db * w
+        self.mean_a += da * (m / n)
+        self.mean_b += db * (m / n)
+        self.n = n
+        return self
+
+
+def centre_rows(x_t: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(row means, centred rows, row sums of squares) of ``x_t`` ``(n_channels, n)``, float64."""
+    x_t = np.asarray(x_t, np.float64)
+    mean = x_t.mean(axis=1)
+    centred = np.ascontiguousarray(x_t - mean[:, None])
+    return mean, centred, np.einsum("ij,ij->i", centred, centred)
+
+
+def distortions(acc: PairMoments) -> tuple[float, float]:
+    """(D_raw, D_repair) from the moments of a = y^d and b = y^d − y^p (population moments)."""
+    n = max(acc.n, 1)
+    var_d, var_r, cov_dr = acc.s_aa / n, acc.s_bb / n, acc.s_ab / n
+    total = float(var_d.sum())
+    raw = float((var_r + acc.mean_b ** 2).sum())
+    var_p = np.maximum(var_d - 2 * cov_dr + var_r, 0.0)
+    cov_dp = var_d - cov_dr
+    alive = var_p > 1e-12 * var_d  # σ^p < 1e-6 σ^d: collapsed (rounding noise otherwise)
+    ratio = np.sqrt(var_d) / np.sqrt(np.where(alive, var_p, 1.0))
+    err = np.where(alive, 2 * var_d - 2 * ratio * cov_dp, var_d)
+    repair = float(np.maximum(err, 0.0).sum())
+    if total <= 0:
+        return 0.0, 0.0
+    return raw / total, repair / total
+
+
+def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int = 64,
+                      eps: float = 1e-12, providers=None, threads: int | None = None,
+                      label: str | None = None) -> RRCurves:
+    """RR curves of ``layers`` (prunable :class:`~onnxdiag.graph.Layer` records) (SPEC C2).
+
+    Args:
+        model: the dense model (never modified); source: a DataSource (``batches()``) or
+            an iterable of feed dicts; the first ``n_images`` samples are used.
+        grid: sparsities (sorted, in [0, 1)); masks are :func:`magnitude_mask` at each s.
+
+    Cost: one ONNX Runtime pass exposing the layers' inputs; per batch, per layer one
+    im2col and one matrix product per grid point.
+    """
+    grid = np.asarray(sorted(float(s) for s in grid))
+    layers = list(layers)
+    if not layers:
+        raise OnnxDiagError("No prunable layers to compute RR curves for.")
+    index = GraphIndex(model)
+    plans = [_plan(index, la, grid) for la in layers]
+    inputs = list(dict.fromkeys(la.input for la in layers))
+    exposed = [t for t in inputs if t not in index.inputs]
+    runner = OrtRunner(expose_tensors(model, exposed) if exposed else model,
+                       providers=providers, threads=threads)
+    seen = 0
+    for feeds in _feed_batches(source, label):
+        take = min(n_images - seen, _batch_len(feeds))
+        if take <= 0:
+            break
+        feeds = {k: v[:take] for k, v in feeds.items()}
+        outs = runner.run(feeds, exposed) if exposed else {}
+        outs.update(feeds)
+        for la, plan in zip(layers, plans):
+            _fold_layer(plan, outs[la.input])
+        seen += take
+    if seen == 0:
+        raise DataError("The calibration data is empty; give at least one sample.")
+    d = np.array([[distortions(acc) for acc in plan["acc"]] for plan in plans])
+    d_raw, d_rep = d[..., 0], d[..., 1]
+    return RRCurves(tuple(la.node_name for la in layers), grid, d_raw, d_rep,
+                    (d_rep + eps) / (d_raw + eps), tuple(p["n"] for p in plans), seen,
+                    tuple(p["acc"][0].n for p in plans), eps)
+
+
+def _plan(index: GraphIndex, layer, grid) -> dict:
+    """Per layer: its op, dense matrix, the weights removed between consecutive grid points
+    (sparse, rows = output channels, columns = column features), and accumulators."""
+    w = np.asarray(index.get_constant(layer.weight), dtype=np.float32)
+    op = layer_op(index, layer)
+    order = magnitude_order(w)
+    rows, cols, n_cols = _coordinates(op, w.shape, order)
+    values = w.ravel()[order]
+    steps, previous = [], w.size
+    for s in grid:
+        kept = w.size - prune_count(w.size, s)
+        part = slice(kept, previous)
+        steps.append(None if kept >= previous else sparse.csr_matrix(
+            (values[part], (rows[part], cols[part])), shape=(layer.n_out, n_cols)))
+        previous = min(previous, kept)
+    return {"op": op, "kernel": tuple(w.shape[2:]), "dense": weight_matrix(op, w),
+            "steps": steps, "n": int(w.size), "acc": [PairMoments(layer.n_out) for _ in grid]}
+
+
+def _coordinates(op, shape, flat) -> tuple[np.ndarray, np.ndarray, int]:
+    """(output channel, column feature) of flat weight indices, and the number of columns."""
+    if op.kind == "linear":
+        a, b = np.divmod(flat, shape[1])
+        return (a, b, shape[1]) if op.layout == "oi" else (b, a, shape[0])
+    per = int(np.prod(shape[1:]))
+    out, k = np.divmod(flat, per)
+    return out, (out // (shape[0] // op.groups)) * per + k, op.groups * per
+
+
+def _fold_layer(plan: dict, x: np.ndarray) -> None:
+    """One batch: y^d once, then y^d − y^p (the removed weights' output) grown step by step
+    over the grid, so all s together cost about one more dense evaluation."""
+    cols, _ = layer_columns(plan["op"], x, plan["kernel"])
+    dense = centre_rows(apply_columns(cols, plan["dense"]).T)
+    cols_t = np.ascontiguousarray(cols.reshape(cols.shape[0], -1).T)
+    removed = np.zeros(dense[1].shape)  # (C, P) float64; exact 0 at s = 0
+    for acc, step in zip(plan["acc"], plan["steps"]):
+        if step is not None:
+            removed += step @ cols_t
+        acc.update_channels_first(dense, removed)
+
+
+def _feed_batches(source, label):
+    if hasattr(source, "batches"):
+        for batch in source.batches():
+            yield batch.feeds
+    else:
+        yield from source
+
+
+def _batch_len(feeds: dict) -> int:
+    return int(next(iter(feeds.values())).shape[0])

@@ -1,0 +1,116 @@
+"""Run a model segment by segment over a fixed calibration set (the sequential repair pass).
+
+SPEC C1 measures each layer with every upstream layer already pruned *and repaired*.
+Instead of one full forward pass per layer, the graph's topological node list is
+cut right after each measured tensor: segment k runs only the nodes between two
+measurements, reading its inputs from a *frontier* of cached tensors (all
+calibration images) and adding its outputs to it.  Between segments the caller
+reads the measured tensors, edits the model (edits only reach nodes not yet run)
+and patches the cached tensors to their repaired values.  Every node is executed
+once per image: the whole sequential repair costs one forward pass of compute,
+split over as many ONNX Runtime sessions as there are measurement points.
+Memory: the frontier's live tensors for all calibration images.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from ..graph import GraphIndex
+from ..runner import OrtRunner
+
+
+def node_reads(node: onnx.NodeProto) -> set[str]:
+    """Tensors ``node`` reads: its inputs and outer-scope names its subgraphs use."""
+    names = {t for t in node.input if t}
+    for attr in node.attribute:
+        for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+            inner = {t.name for t in sub.initializer} | {v.name for v in sub.input}
+            for n in sub.node:
+                names |= node_reads(n) - inner
+                inner |= set(n.output)
+    return names
+
+
+class SegmentedPass:
+    """Execute ``model``'s nodes in topological segments over ``batches``.
+
+    Args:
+        model: the model to run; the caller may edit its initializers between segments
+            (only nodes not yet executed see the edit).
+        batches: a list of feed dicts (the calibration set, in memory).
+        providers, threads, optimization: see :class:`~onnxdiag.runner.OrtRunner`.
+
+    Attributes: ``frontier`` {tensor: [per-batch arrays]}; ``done`` position of the last
+    executed node; ``n_segments`` sessions run so far.
+    """
+
+    def __init__(self, model: onnx.ModelProto, batches: list[dict], *, providers=None,
+                 threads: int | None = None, optimization: str = "all"):
+        self.model = model
+        self.index = GraphIndex(model)
+        self.batches = batches
+        self.options = dict(providers=providers, threads=threads, optimization=optimization)
+        self.reads = [node_reads(n) for n in self.index.nodes]
+        self.last_use: dict[str, int] = {}
+        for pos, names in enumerate(self.reads):
+            for t in names:
+                self.last_use[t] = pos
+        self.frontier = {name: [b[name] for b in batches] for name in self.index.inputs
+                         if batches and name in batches[0]}
+        self.types = {v.name: v for v in (*model.graph.value_info, *model.graph.output)}
+        self.done = -1
+        self.n_segments = 0
+
+    def position(self, tensor: str) -> int:
+        """Topological position of ``tensor``'s producer (-1 for a graph input)."""
+        node = self.index.producer.get(tensor)
+        return -1 if node is None else self.index.position[id(node)]
+
+    def run_to(self, position: int, keep: Iterable[str] = ()) -> None:
+        """Execute the nodes after ``done`` up to ``position``; ``keep`` stays in the frontier."""
+        keep = set(keep)
+        start = self.done + 1
+        if position >= start:
+            nodes = self.index.nodes[start:position + 1]
+            produced = {t for n in nodes for t in n.output if t}
+            wanted = sorted(t for t in produced if self.last_use.get(t, -1) > position or t in keep)
+            if wanted:
+                self._run_segment(nodes, start, position, produced, wanted)
+            self.done = position
+        for name in list(self.frontier):
+            if self.last_use.get(name, -1) <= self.done and name not in keep:
+                del self.frontier[name]
+
+    def _run_segment(self, nodes, start, end, produced, wanted) -> None:
+        inits = {t.name: t for t in self.model.graph.initializer}
+        reads = set().union(*self.reads[start:end + 1]) - produced
+        feeds = sorted(t for t in reads if t not in inits)
+        missing = [t for t in feeds if t not in self.frontier]
+        if missing:
+            raise RuntimeError(f"segment inputs not cached: {missing[:5]}")
+        graph = helper.make_graph(
+            list(nodes), f"segment_{start}_{end}",
+            [self._input_info(t) for t in feeds],
+            [self.types.get(t) or helper.make_empty_tensor_value_info(t) for t in wanted],
+            [inits[t] for t in sorted(reads) if t in inits])
+        sub = helper.make_model(graph, opset_imports=list(self.model.opset_import))
+        sub.ir_version = self.model.ir_version
+        sub.functions.extend(self.model.functions)
+        runner = OrtRunner(sub, **self.options)
+        results = {t: [] for t in wanted}
+        for i in range(len(self.batches)):
+            out = runner.run({t: self.frontier[t][i] for t in feeds}, wanted)
+            for t in wanted:
+                results[t].append(out[t])
+        self.frontier.update(results)
+        self.n_segments += 1
+
+    def _input_info(self, name: str) -> onnx.ValueInfoProto:
+        arr = self.frontier[name][0]
+        elem = helper.np_dtype_to_tensor_dtype(np.asarray(arr).dtype)
+        return helper.make_tensor_value_info(name, elem, ["batch", *np.shape(arr)[1:]])

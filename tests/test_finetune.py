@@ -1,0 +1,180 @@
+"""Recovery fine-tuning on ONNX (SPEC B6) through onnxruntime-training.
+
+onnxruntime-training replaces onnxruntime, so it lives in its own environment
+(``pip install -e '.[training,test]'`` in a separate venv).  Every test that trains takes
+the ``training`` fixture and is skipped elsewhere; the missing-extra test runs everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from corpus import conv_bn_chain, softmax_output
+from onnx import numpy_helper
+
+from onnxdiag.data import open_data
+from onnxdiag.errors import DataError, MissingExtraError, OnnxDiagError
+from onnxdiag.finetune import INSTALL_HINT, FinetuneRecord, finetune_model
+from onnxdiag.model_io import get_input_specs
+
+N_SAMPLES, BATCH = 256, 32  # 8 batches per pass over the data
+
+
+@pytest.fixture(scope="module")
+def training():
+    """onnxruntime.training, or skip (the main environment has plain onnxruntime)."""
+    return pytest.importorskip("onnxruntime.training")
+
+
+def learnable_source(model: onnx.ModelProto, *, labels: np.ndarray | None = None,
+                     seed: int = 0):
+    """Inputs "x" with labels = argmax of a fixed random projection of the features (the
+    channel means of an image): a deterministic function of the input the model can learn."""
+    rng = np.random.default_rng(seed)
+    dims = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim[1:]]
+    x = rng.standard_normal((N_SAMPLES, *dims)).astype(np.float32)
+    if x.ndim == 4:  # images: per-sample channel offsets carry the class signal
+        x += rng.standard_normal((N_SAMPLES, dims[0], 1, 1)).astype(np.float32)
+    features = x.mean(axis=(2, 3)) if x.ndim == 4 else x
+    if labels is None:
+        labels = (features @ rng.standard_normal((features.shape[1], 5))).argmax(axis=1)
+    return open_data({"x": x, "labels": labels}, get_input_specs(model), batch_size=BATCH)
+
+
+def initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+
+
+def run_plain_ort(model: onnx.ModelProto, feeds: dict) -> dict[str, np.ndarray]:
+    """Run in a plain InferenceSession (not the training API)."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+
+
+@pytest.fixture(scope="module")
+def tuned_chain(training):
+    """conv_bn_chain fine-tuned for 3 epochs × 8 batches: (original, bytes before, tuned,
+    record, source)."""
+    model = conv_bn_chain()
+    before = model.SerializeToString()
+    source = learnable_source(model)
+    tuned, record = finetune_model(model, source, epochs=3, max_batches=8, lr=1e-2,
+                                   eval_source=source)
+    return model, before, tuned, record, source
+
+
+def test_missing_training_extra_raises_with_install_hint(monkeypatch):
+    # None in sys.modules makes `import onnxruntime.training` fail in any environment.
+    monkeypatch.setitem(sys.modules, "onnxruntime.training", None)
+    model = conv_bn_chain()
+    with pytest.raises(MissingExtraError) as info:
+        finetune_model(model, learnable_source(model))
+    message = str(info.value)
+    assert INSTALL_HINT in message and "separate environment" in message
+    assert "pip install -e '.[training]'" in message and "\n" not in message
+
+
+def test_finetuning_lowers_the_training_loss(tuned_chain):
+    _, _, _, record, _ = tuned_chain
+    assert isinstance(record, FinetuneRecord)
+    assert (record.epochs, record.steps, len(record.losses)) == (3, 24, 24)
+    assert np.mean(record.losses[-8:]) < np.mean(record.losses[:8])
+    assert record.epoch_losses[-1] < record.epoch_losses[0]  # same 8 batches every epoch
+    assert record.first_loss == record.losses[0] and record.last_loss == record.losses[-1]
+    assert record.eval_loss_after < record.eval_loss_before
+    assert 0.0 <= record.accuracy_before <= 1.0 and 0.0 <= record.accuracy_after <= 1.0
+    assert record.ort_training_version.startswith("1.19")
+
+
+def test_trains_weights_and_bn_affine_but_not_running_statistics(tuned_chain):
+    model, _, tuned, record, _ = tuned_chain
+    assert set(record.trainable) == {"conv0.weight", "conv1.weight", "bn0.scale", "bn0.bias",
+                                     "bn1.scale", "bn1.bias", "head.weight", "head.bias"}
+    old, new = initializers(model), initializers(tuned)
+    assert set(old) == set(new)
+    for name in record.trainable:
+        assert not np.allclose(old[name], new[name]), name
+    for name in ("bn0.mean", "bn0.var", "bn1.mean", "bn1.var"):
+        np.testing.assert_array_equal(old[name], new[name])
+    assert record.n_trainable_params == sum(old[n].size for n in record.trainable)
+    assert any("inference mode" in note for note in record.notes)
+
+
+def test_exported_model_runs_in_plain_onnxruntime_with_its_output_names(tuned_chain):
+    model, _, tuned, record, source = tuned_chain
+    feeds = next(source.batches()).feeds
+    assert [o.name for o in tuned.graph.output] == [o.name for o in model.graph.output]
+    assert [n.name for n in tuned.graph.node] == [n.name for n in model.graph.node]
+    new, old = run_plain_ort(tuned, feeds), run_plain_ort(model, feeds)
+    assert list(new) == ["logits"] and new["logits"].shape == old["logits"].shape
+    assert np.max(np.abs(new["logits"] - old["logits"])) > 1e-3
+    assert record.export_max_abs_diff < 1e-5
+    onnx.checker.check_model(tuned, full_check=True)
+
+
+def test_input_model_is_not_modified(tuned_chain):
+    model, before, _, _, _ = tuned_chain
+    assert model.SerializeToString() == before
+
+
+def test_record_to_dict_is_json(tuned_chain):
+    record = tuned_chain[3]
+    data = json.loads(json.dumps(record.to_dict()))
+    assert data["steps"] == 24 and len(data["losses"]) == 24
+    assert data["optimizer"] == "adamw" and data["logits"] == "logits"
+
+
+def test_softmax_output_trains_on_logits_and_keeps_probabilities(training):
+    model = softmax_output()
+    source = learnable_source(model)
+    tuned, record = finetune_model(model, source, epochs=2, max_batches=8, lr=1e-2)
+    assert record.logits == "head" and record.outputs == ("prob",)
+    assert [o.name for o in tuned.graph.output] == ["prob"]
+    assert "Softmax" in [n.op_type for n in tuned.graph.node]
+    prob = run_plain_ort(tuned, next(source.batches()).feeds)["prob"]
+    np.testing.assert_allclose(prob.sum(axis=1), 1.0, rtol=1e-5)
+    assert np.mean(record.losses[-8:]) < np.mean(record.losses[:8])
+
+
+def test_epochs_stop_at_max_batches_and_continue_the_data(training, tmp_path):
+    model = conv_bn_chain()
+    tuned, record = finetune_model(model, learnable_source(model), epochs=3, max_batches=5,
+                                   lr=1e-3, optimizer="sgd", workdir=tmp_path)
+    # 8 batches per pass: 5, then the 3 left in the pass, then 5 from a restarted pass
+    assert record.steps == 13 and len(record.epoch_losses) == 3
+    assert record.accuracy_before is None and record.accuracy_after is None
+    assert {"checkpoint", "training_model.onnx", "inference_model.onnx"} <= {
+        p.name for p in tmp_path.iterdir()}
+
+
+def test_keep_zeros_preserves_a_sparsity_pattern(training):
+    model = conv_bn_chain()
+    weight = initializers(model)["conv1.weight"].copy()
+    weight[::2] = 0.0
+    for init in model.graph.initializer:
+        if init.name == "conv1.weight":
+            init.CopyFrom(numpy_helper.from_array(weight, init.name))
+    tuned, record = finetune_model(model, learnable_source(model), epochs=1, max_batches=4,
+                                   lr=1e-2, keep_zeros=True)
+    new = initializers(tuned)["conv1.weight"]
+    assert not new[::2].any() and not np.allclose(new[1::2], weight[1::2])
+
+
+def test_bad_labels_and_settings_are_user_errors(training):
+    model = conv_bn_chain()
+    with pytest.raises(DataError, match="outside the model's 5 classes"):
+        finetune_model(model, learnable_source(model, labels=np.full(N_SAMPLES, 7)),
+                       max_batches=1)
+    unlabelled = open_data({"x": np.zeros((4, 3, 8, 8), np.float32)}, get_input_specs(model))
+    with pytest.raises(DataError, match="no labels"):
+        finetune_model(model, unlabelled)
+    with pytest.raises(OnnxDiagError, match="optimizer must be one of"):
+        finetune_model(model, learnable_source(model), optimizer="lion")
+    with pytest.raises(OnnxDiagError, match="lr must be a positive number"):
+        finetune_model(model, learnable_source(model), lr=0.0)

@@ -1,0 +1,178 @@
+"""SPEC C1 repair: BN recalibration as a fixed point, CR+BN ≈ BN, folded-BN affine, s = 0."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from corpus import (
+    conv_bias_add,
+    conv_bn_chain,
+    conv_bn_folded,
+    random_feeds,
+    residual_block,
+    run_ort,
+)
+
+from onnxdiag.data import open_data
+from onnxdiag.errors import OnnxDiagError
+from onnxdiag.graph import GraphIndex, analyze_structure
+from onnxdiag.model_io import get_input_specs, load_model, model_hash
+from onnxdiag.runner import OrtRunner
+from onnxdiag.sparsity import (
+    METHODS,
+    allocate_sparsity,
+    describe_layers,
+    find_prunable,
+    make_masks,
+    read_weights,
+    repair_model,
+)
+from onnxdiag.sparsity.repair import cr_alpha
+
+
+def _setup(build, S=0.6, rule="uniform"):
+    model = load_model(build())
+    structure = analyze_structure(model)
+    layers = find_prunable(structure)
+    weights = read_weights(model, layers)
+    alloc = allocate_sparsity(rule, describe_layers(model, layers), S, weights=weights)
+    calib = [random_feeds(model, batch=4, seed=i) for i in range(3)]
+    return model, structure, make_masks(alloc, weights), calib
+
+
+def _stats(model, calib, tensors):
+    """Per-channel mean and unbiased variance of ``tensors`` over the calibration set."""
+    outs = [run_ort(model, f, tensors) for f in calib]
+    result = {}
+    for t in tensors:
+        x = np.concatenate([o[t] for o in outs]).astype(np.float64)
+        rows = np.moveaxis(x, 1, -1).reshape(-1, x.shape[1])
+        result[t] = (rows.mean(0), rows.var(0, ddof=1))
+    return result
+
+
+def _logits(model, calib):
+    return np.concatenate([run_ort(model, f)["logits"] for f in calib])
+
+
+@pytest.mark.parametrize("build", [conv_bn_chain, residual_block])
+@pytest.mark.parametrize("method", ["bn", "cr+bn", "shrunk-cr+bn"])
+def test_bn_recalibration_equals_the_repaired_models_own_statistics(build, method):
+    model, structure, masks, calib = _setup(build)
+    out, record = repair_model(model, structure, masks, calib, method=method)
+    index = GraphIndex(out)
+    bns = [n for n in index.nodes if n.op_type == "BatchNormalization"]
+    assert sorted(record.bns) == sorted(b.name for b in bns)  # every conv here is pruned
+    stats = _stats(out, calib, [b.input[0] for b in bns])
+    for bn in bns:
+        mean, var = stats[bn.input[0]]
+        np.testing.assert_allclose(index.get_constant(bn.input[3]), mean, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(index.get_constant(bn.input[4]), var, rtol=1e-4, atol=1e-6)
+
+
+def test_cr_plus_bn_equals_bn_only_when_no_channel_collapses():
+    model, structure, masks, calib = _setup(residual_block, S=0.5)
+    bn_only, _ = repair_model(model, structure, masks, calib, method="bn")
+    crbn, record = repair_model(model, structure, masks, calib, method="cr+bn")
+    assert all(r.n_capped == 0 for r in record.layers.values())
+    a, b = _logits(bn_only, calib), _logits(crbn, calib)
+    np.testing.assert_allclose(a, b, atol=2e-3 * np.abs(a).max())
+
+
+def test_cr_matches_the_dense_standard_deviation_layer_by_layer():
+    model, structure, masks, calib = _setup(conv_bn_chain, S=0.7)
+    out, record = repair_model(model, structure, masks, calib, method="cr")
+    convs = ["conv0", "conv1"]
+    dense = _stats(model, calib, convs)
+    after = _stats(out, calib, convs)
+    for c in convs:
+        np.testing.assert_allclose(np.sqrt(after[c][1]), np.sqrt(dense[c][1]), rtol=1e-4)
+        assert record.layers[c].kind == "scale"
+    out, _ = repair_model(model, structure, masks, calib, method="layer-cr")
+    after = _stats(out, calib, convs)
+    for c in convs:  # one scalar per layer: the pooled variance is matched
+        assert after[c][1].mean() == pytest.approx(dense[c][1].mean(), rel=1e-4)
+
+
+@pytest.mark.parametrize("build, tensors", [(conv_bn_folded, ["conv0", "conv1"]),
+                                            (conv_bias_add, ["conv0_bias"])])
+def test_folded_bn_affine_restores_dense_mean_and_std(build, tensors):
+    model, structure, masks, calib = _setup(build, S=0.7)
+    dense = _stats(model, calib, tensors)
+    results = []
+    for method in ("cr+bn", "bn"):
+        out, record = repair_model(model, structure, masks, calib, method=method)
+        assert {r.kind for r in record.layers.values()} == {"affine"}
+        after = _stats(out, calib, tensors)
+        for t in tensors:
+            np.testing.assert_allclose(after[t][0], dense[t][0], atol=1e-4)
+            np.testing.assert_allclose(after[t][1], dense[t][1], rtol=1e-4)
+        results.append(_logits(out, calib))
+    np.testing.assert_allclose(results[0], results[1], atol=1e-5)  # channel CR α is BN's α
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_sparsity_zero_leaves_the_model_unchanged(method):
+    model, structure, _, calib = _setup(residual_block)
+    masks = {name: np.ones_like(w, dtype=bool)
+             for name, w in read_weights(model, find_prunable(structure)).items()}
+    out, _ = repair_model(model, structure, masks, calib, method=method)
+    np.testing.assert_allclose(_logits(out, calib), _logits(model, calib), atol=1e-5)
+    # with every BN recalibrated, a calibrated dense model is a fixed point
+    calibrated, _ = repair_model(model, structure, masks, calib, method="bn", recalibrate="all")
+    again, _ = repair_model(calibrated, structure, masks, calib, method=method, recalibrate="all")
+    np.testing.assert_allclose(_logits(again, calib), _logits(calibrated, calib), atol=1e-5)
+
+
+@pytest.mark.parametrize("build", [residual_block, conv_bn_folded, conv_bias_add])
+@pytest.mark.parametrize("method", METHODS)
+def test_emitted_model_is_valid_and_the_input_untouched(build, method):
+    model, structure, masks, calib = _setup(build, S=0.9, rule="erk")
+    before = model_hash(model)
+    out, record = repair_model(model, structure, masks, calib, method=method)
+    assert model_hash(model) == before
+    onnx.checker.check_model(out, full_check=True)
+    assert np.isfinite(_logits(out, calib)).all()
+    record.to_dict(arrays=True)
+
+
+def test_sequential_pass_runs_every_node_once(monkeypatch):
+    model, structure, masks, calib = _setup(residual_block)
+    sessions = []
+    original = OrtRunner.__init__
+
+    def spy(self, m, **kwargs):
+        sessions.append([n.name for n in m.graph.node])
+        original(self, m, **kwargs)
+
+    monkeypatch.setattr(OrtRunner, "__init__", spy)
+    _, record = repair_model(model, structure, masks, calib, method="cr+bn")
+    segments = sessions[1:]  # the first session is the dense pass
+    assert record.passes == {"dense": 1, "sequential": 1, "segments": len(segments)}
+    assert len(segments) == 6  # one per conv (each BN reads its conv's output directly)
+    executed = [n for seg in segments for n in seg]
+    assert len(executed) == len(set(executed))
+
+
+def test_repair_accepts_a_data_source_and_counts_images():
+    model, structure, masks, _ = _setup(conv_bn_chain)
+    x = np.random.default_rng(0).normal(size=(10, 3, 8, 8)).astype(np.float32)
+    source = open_data({"x": x}, get_input_specs(model), batch_size=4)
+    _, record = repair_model(model, structure, masks, source, n_images=6)
+    assert record.n_images == 6
+
+
+def test_cr_alpha_variants():
+    vd, vp = np.array([1.0, 1.0, 1.0]), np.array([0.25, 1.0, 4.0])
+    np.testing.assert_allclose(cr_alpha("channel", vd, vp), [2, 1, 0.5], rtol=1e-7)
+    # shrunk: r = [0.25, 1, 4], median 1, λ = [0.2, 0.5, 0.8]
+    np.testing.assert_allclose(cr_alpha("shrunk", vd, vp), [2 ** 0.2, 1, 0.5 ** 0.8], rtol=1e-7)
+    np.testing.assert_allclose(cr_alpha("layer", vd, vp), np.sqrt(1 / 1.75), rtol=1e-7)
+    assert cr_alpha("channel", np.array([1.0]), np.array([0.0]), cap=100)[0] == 100
+
+
+def test_unknown_method_is_a_user_error():
+    model, structure, masks, calib = _setup(conv_bn_chain)
+    with pytest.raises(OnnxDiagError, match="Unknown repair method"):
+        repair_model(model, structure, masks, calib, method="magic")

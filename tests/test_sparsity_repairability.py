@@ -1,0 +1,172 @@
+"""SPEC C2: offline single-layer evaluation equals ONNX Runtime; RR curves against brute force."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from corpus import (
+    conv_bias_add,
+    depthwise_pointwise,
+    gemm_head,
+    random_feeds,
+    residual_block,
+    run_ort,
+)
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxdiag.graph import GraphIndex, analyze_structure
+from onnxdiag.model_io import load_model
+from onnxdiag.runner import OrtRunner
+from onnxdiag.sparsity import (
+    DEFAULT_GRID,
+    apply_masks,
+    compute_rr_curves,
+    find_prunable,
+    magnitude_mask,
+    read_weights,
+)
+from onnxdiag.sparsity.offline import evaluate_layer, layer_op
+from onnxdiag.sparsity.repairability import PairMoments, distortions
+
+
+def _conv_geometry_model():
+    """Dilated strided conv with asymmetric pads → Relu → grouped SAME_UPPER conv with bias."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.normal(size=s).astype(np.float32), n) for n, s in (
+        ("w1", (6, 4, 3, 3)), ("w2", (6, 3, 3, 3)), ("b2", (6,)))]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["y1"], name="dil", dilations=[2, 2],
+                         strides=[2, 1], pads=[1, 2, 0, 1]),
+        helper.make_node("Relu", ["y1"], ["r1"], name="relu"),
+        helper.make_node("Conv", ["r1", "w2", "b2"], ["out"], name="same", strides=[2, 2],
+                         auto_pad="SAME_UPPER", group=2)]
+    graph = helper.make_graph(nodes, "geo", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, ["N", 4, 9, 11])], [helper.make_tensor_value_info(
+            "out", TensorProto.FLOAT, ["N", None, None, None])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def _conv1d_model():
+    rng = np.random.default_rng(1)
+    w = numpy_helper.from_array(rng.normal(size=(5, 4, 3)).astype(np.float32), "w")
+    node = helper.make_node("Conv", ["x", "w"], ["out"], name="c1d", strides=[2], pads=[1, 0])
+    graph = helper.make_graph([node], "c1d", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, ["N", 4, 12])], [helper.make_tensor_value_info(
+            "out", TensorProto.FLOAT, ["N", None, None])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def _weighted_layers(model):
+    structure = analyze_structure(model, require_head=False)
+    return [la for la in structure.layers if la.prunable]
+
+
+@pytest.mark.parametrize("build", [residual_block, depthwise_pointwise, conv_bias_add,
+                                   gemm_head, lambda: gemm_head(trans_b=False),
+                                   _conv_geometry_model, _conv1d_model])
+def test_offline_layer_equals_onnx_runtime_for_the_same_mask(build):
+    model = load_model(build())
+    layers = _weighted_layers(model)
+    weights = read_weights(model, layers)
+    masks = {name: magnitude_mask(w, 0.7) for name, w in weights.items()}
+    pruned = apply_masks(model, masks)
+    feeds = random_feeds(model, batch=3)
+    names = [t for la in layers for t in (la.input, la.output)]
+    out = {**run_ort(pruned, feeds, [n for n in names if n not in feeds]), **feeds}
+    index = GraphIndex(model)
+    for la in layers:
+        node = index.get_node(la.node_name)
+        bias = index.get_constant(node.input[2]) if len(node.input) > 2 else None
+        y = evaluate_layer(layer_op(index, la), out[la.input], weights[la.node_name]
+                           * masks[la.node_name], bias)
+        ref = out[la.output]
+        assert y.shape == ref.shape, la.node_name
+        np.testing.assert_allclose(y, ref, atol=1e-4 * max(1.0, np.abs(ref).max()),
+                                   err_msg=la.node_name)
+
+
+def _calibration(model, n_batches=3, batch=4):
+    return [random_feeds(model, batch=batch, seed=i) for i in range(n_batches)]
+
+
+def test_rr_is_one_and_damage_zero_at_sparsity_zero():
+    assert len(DEFAULT_GRID) == 28 and DEFAULT_GRID[18] == 0.9 and DEFAULT_GRID[-1] == 0.99
+    model = load_model(residual_block())
+    curves = compute_rr_curves(model, find_prunable(analyze_structure(model)), _calibration(model))
+    assert curves.grid[0] == 0 and curves.n_images == 12
+    np.testing.assert_array_equal(curves.rr[:, 0], 1.0)
+    np.testing.assert_array_equal(curves.d_raw[:, 0], 0.0)
+    assert np.all(curves.d_raw[:, -1] > curves.d_raw[:, 1])
+    assert curves.rr_at("c3", 0.0) == 1.0
+    assert curves.rr_at("c3", 0.925) == pytest.approx(
+        (curves.rr_at("c3", 0.92) + curves.rr_at("c3", 0.93)) / 2)
+
+
+def test_rr_curves_equal_the_explicit_definition():
+    model = load_model(residual_block())
+    layers = find_prunable(analyze_structure(model))
+    calib = _calibration(model)
+    grid = (0.0, 0.3, 0.9, 0.99)
+    curves = compute_rr_curves(model, layers, calib, grid=grid)
+    index = GraphIndex(model)
+    for la in layers:
+        x = np.concatenate([run_ort(model, f, [la.input])[la.input] if la.input not in f
+                            else f[la.input] for f in calib])
+        w = index.get_constant(la.weight).astype(np.float64)
+        op = layer_op(index, la)
+        yd = _rows(evaluate_layer(op, x.astype(np.float64), w))
+        for j, s in enumerate(grid):
+            yp = _rows(evaluate_layer(op, x.astype(np.float64), w * magnitude_mask(w, s)))
+            sd, sp = yd.std(axis=0), yp.std(axis=0)
+            keep = sp > 1e-6 * sd
+            yhat = np.where(keep, yd.mean(0) + sd / np.where(keep, sp, 1) * (yp - yp.mean(0)),
+                            yd.mean(0))
+            d_raw = ((yd - yp) ** 2).mean(0).sum() / yd.var(0).sum()
+            d_rep = ((yd - yhat) ** 2).mean(0).sum() / yd.var(0).sum()
+            i = curves.get_index(la.node_name)
+            assert curves.d_raw[i, j] == pytest.approx(d_raw, rel=1e-4, abs=1e-9)
+            assert curves.d_repair[i, j] == pytest.approx(d_rep, rel=1e-4, abs=1e-9)
+            assert curves.rr[i, j] == pytest.approx((d_rep + 1e-12) / (d_raw + 1e-12), rel=1e-3)
+
+
+def _rows(y):
+    return np.moveaxis(y, 1, -1).reshape(-1, y.shape[1]) if y.ndim > 2 else y
+
+
+def test_repair_error_identity_per_channel():
+    rng = np.random.default_rng(0)
+    yd = rng.normal(size=(500, 4)) * [1, 2, 3, 4] + [0, 1, -1, 5]
+    yp = 0.3 * yd + rng.normal(size=(500, 4)) * [0.5, 1, 2, 0.1]
+    yhat = yd.mean(0) + yd.std(0) / yp.std(0) * (yp - yp.mean(0))
+    corr = np.array([np.corrcoef(yd[:, c], yp[:, c])[0, 1] for c in range(4)])
+    np.testing.assert_allclose(((yd - yhat) ** 2).mean(0), 2 * yd.var(0) * (1 - corr), rtol=1e-10)
+    # the streamed moments give the same D_repair, for any batch split
+    acc = PairMoments(4)
+    for part in np.array_split(np.arange(500), 7):
+        acc.update(yd[part], yd[part] - yp[part])
+    raw, rep = distortions(acc)
+    assert rep == pytest.approx((2 * yd.var(0) * (1 - corr)).sum() / yd.var(0).sum(), rel=1e-10)
+    assert raw == pytest.approx(((yd - yp) ** 2).mean(0).sum() / yd.var(0).sum(), rel=1e-10)
+    acc = PairMoments(1).update(yd[:, :1], yd[:, :1])  # collapsed channel: restored to its mean
+    y0 = yd[:, 0]
+    assert distortions(acc) == pytest.approx(((y0 ** 2).mean() / y0.var(), 1.0))
+
+
+def test_rr_uses_one_runtime_pass_and_is_batch_split_invariant(monkeypatch):
+    model = load_model(residual_block())
+    layers = find_prunable(analyze_structure(model))
+    calls = []
+    original = OrtRunner.run
+    monkeypatch.setattr(OrtRunner, "run", lambda self, *a, **k: calls.append(1) or
+                        original(self, *a, **k))
+    split = compute_rr_curves(model, layers, _calibration(model, 3, 4))
+    assert len(calls) == 3
+    whole = compute_rr_curves(model, layers, [{"x": np.concatenate(
+        [f["x"] for f in _calibration(model, 3, 4)])}])
+    np.testing.assert_allclose(split.d_repair, whole.d_repair, rtol=1e-6, atol=1e-12)
+    np.testing.assert_allclose(split.rr, whole.rr, rtol=1e-6)
+    assert compute_rr_curves(model, layers[:2], _calibration(model), n_images=6).n_images == 6
