@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""Readouts (SPEC A) cost: onnxdiag vs plain ORT inference vs an equivalent PyTorch pipeline.
+
+    python benchmarks/bench_readouts.py [--sample models/sample] [--n 5000]
+
+On N real Fashion-MNIST test images and the bundled sample model:
+  plain ORT       plain inference of the model (baseline)
+  readout pass    onnxdiag's pass: head features + logits exposed, every readout accumulated
+  readouts cmd    the whole `readouts` verb in-process (load, check, analyse, session, pass)
+  torch pipeline  the same model in PyTorch eager (weights loaded from the ONNX initializers),
+                  forward with the head's input detached, cross-entropy, backward through the
+                  head only, the gradient norm accumulated (same threads as ORT)
+Timings are the best of --repeat runs after a warm-up. Requires torch (pip install -e .[tools]).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_core import best_of, load_fashion_mnist_test  # noqa: E402
+
+
+def torch_model(sample: Path):
+    """The sample's PyTorch module (tools/make_sample.py) with the ONNX model's weights."""
+    import onnx
+    import torch
+    from onnx import numpy_helper
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from make_sample import build_model
+
+    manifest = json.loads((sample / "manifest.json").read_text())
+    arch = manifest["architecture"]
+    net = build_model(tuple(arch["widths"]), **({"stem_pool": arch["stem_pool"]}
+                                                if "stem_pool" in arch else {}))
+    init = {t.name: torch.from_numpy(numpy_helper.to_array(t).copy())
+            for t in onnx.load(sample / "model.onnx").graph.initializer}
+    state = net.state_dict()
+    missing = [k for k in state if k not in init and not k.endswith("num_batches_tracked")]
+    if missing:
+        raise SystemExit(f"ONNX initializers do not cover the torch weights: {missing[:5]}")
+    net.load_state_dict({k: init.get(k, v).reshape(v.shape) for k, v in state.items()})
+    return net.eval()
+
+
+def torch_pipeline(net, x: np.ndarray, y: np.ndarray, batch_size: int) -> float:
+    """Eager forward, features detached, CE loss, backward through the head: ‖G_W‖_F."""
+    import torch
+
+    feats = {}
+    hook = net.fc.register_forward_pre_hook(lambda m, a: feats.__setitem__("z", a[0]))
+    grad = torch.zeros_like(net.fc.weight)
+    try:
+        for start in range(0, len(x), batch_size):
+            xb = torch.from_numpy(x[start:start + batch_size])
+            yb = torch.from_numpy(y[start:start + batch_size])
+            with torch.no_grad():
+                net(xb)
+            z = feats["z"].detach()
+            w = net.fc.weight.detach().requires_grad_(True)
+            loss = torch.nn.functional.cross_entropy(z @ w.T + net.fc.bias.detach(), yb,
+                                                     reduction="sum")
+            (g,) = torch.autograd.grad(loss, w)
+            grad += g
+    finally:
+        hook.remove()
+    return float(torch.linalg.norm(grad / len(x)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    ap.add_argument("--sample", default=str(ROOT / "models" / "sample"))
+    ap.add_argument("--n", type=int, default=5000)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+
+    import onnxruntime as ort
+    import torch
+
+    from onnxdiag.analysis import readouts_report
+    from onnxdiag.data import open_data
+    from onnxdiag.graph import analyze_structure
+    from onnxdiag.model_io import get_input_specs, load_model
+    from onnxdiag.probe import make_head_runner, probe_model
+    from onnxdiag.runner import OrtRunner
+
+    sample = Path(args.sample)
+    x, y = load_fashion_mnist_test(args.n)
+    npz = ROOT / ".bench" / f"probe_{args.n}.npz"
+    npz.parent.mkdir(exist_ok=True)
+    np.savez(npz, input=x, labels=y)
+    model = load_model(sample / "model.onnx")
+    structure = analyze_structure(model)
+    source = open_data({"input": x, "labels": y}, get_input_specs(model),
+                       batch_size=args.batch_size)
+    plain, head_runner = OrtRunner(model), make_head_runner(model, structure.head)
+    threads = ort.SessionOptions().intra_op_num_threads or __import__("os").cpu_count()
+    torch.set_num_threads(threads)
+    net = torch_model(sample)
+
+    def run_plain():
+        for batch in source.batches():
+            plain.run(batch.feeds)
+
+    result = {}
+    ours = probe_model(model, structure, source, runner=head_runner, targets="labels",
+                       norm="raw")
+    theirs = torch_pipeline(net, x, y, args.batch_size)
+    result["agreement"] = {"onnxdiag_head_grad": ours.readouts.values["head_grad"],
+                           "torch_head_grad": theirs}
+    result["seconds"] = {
+        "plain ORT": best_of(run_plain, args.repeat),
+        "readout pass": best_of(lambda: probe_model(model, structure, source,
+                                                    runner=head_runner), args.repeat),
+        "readouts cmd": best_of(lambda: readouts_report(
+            str(sample / "model.onnx"), data=str(npz), batch_size=args.batch_size,
+            write=False), args.repeat),
+        "torch pipeline": best_of(lambda: torch_pipeline(net, x, y, args.batch_size),
+                                  args.repeat),
+    }
+    s = result["seconds"]
+    result["ratios"] = {"readout pass / plain ORT": s["readout pass"] / s["plain ORT"],
+                        "readouts cmd / torch pipeline": s["readouts cmd"] / s["torch pipeline"]}
+    result.update(n_images=args.n, batch_size=args.batch_size, threads=threads,
+                  torch=torch.__version__, onnxruntime=ort.__version__)
+    for k, v in s.items():
+        print(f"{k:16s} {v:8.3f} s")
+    for k, v in result["ratios"].items():
+        print(f"{k:32s} {v:6.3f}")
+    print(f"head-gradient norm: onnxdiag {ours.readouts.values['head_grad']:.8f}, "
+          f"torch {theirs:.8f}")
+
+
+if __name__ == "__main__":
+    main()
