@@ -244,6 +244,7 @@ def summarize_series(ok, *, window, patience, select_by: str, has_eval: bool) ->
     zoo = len({s.architecture for s in ok}) > 1
     direction = READOUTS[select_by].direction
     out = {"n_scored": len(ok), "zoo": zoo, "select_by": select_by, "flagged": flagged,
+           "window": window, "patience": patience,
            "paths": [s.checkpoint.path for s in ok], "steps": [s.checkpoint.step for s in ok]}
     if not zoo:
         pick = select_checkpoint(values[select_by], direction, window=window, flagged=flagged)
