@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import OnnxDiagError, OutputError
+from .errors import OnnxDiagError
 from .report import SCHEMA_VERSION, build_metadata, to_json, to_jsonable, write_report
 from .report.sections import render_readouts, render_structure
 
@@ -54,18 +54,10 @@ def _check_out(out, command: str, overwrite: bool, write: bool) -> Path | None:
     """Fail before any work when the report folder cannot be written."""
     if not write:
         return None
-    folder = Path(out) if out else DEFAULT_REPORT_ROOT / command
-    if folder.exists() and not folder.is_dir():
-        raise OutputError(f"Report path '{folder}' is a file; give a folder name with --out.")
-    if folder.is_dir() and any(folder.iterdir()) and not overwrite:
-        raise OutputError(
-            f"Report folder '{folder}' already exists and is not empty; choose another --out "
-            "or pass --overwrite."
-        )
-    from .model_io import ensure_writable_dir
+    from .report.write import check_report_folder
 
-    ensure_writable_dir(folder.parent)
-    return folder
+    return check_report_folder(Path(out) if out else DEFAULT_REPORT_ROOT / command,
+                               overwrite=overwrite)
 
 
 def _open(source, specs, *, labels=None, limit=None, seed=0, batch_size=64):
@@ -168,11 +160,6 @@ def _header(meta: dict) -> str:
                          "environment; keep exactly one (see README, Install).")
     return "\n".join(lines) + "\n\n"
 
-
-def ensure(condition: bool, message: str) -> None:
-    """Raise OnnxDiagError(message) unless ``condition``."""
-    if not condition:
-        raise OnnxDiagError(message)
 
 
 # --------------------------------------------------------------------------- select

@@ -134,14 +134,7 @@ def _section(per_model) -> dict:
 
 def channel_rows_csv(scored) -> str:
     """One CSV row per channel: layer, channel, every score."""
-    rows = [row for _, scores, _ in scored.values() for row in scores.to_rows()]
-    buf = io.StringIO()
-    if rows:
-        writer = csv.DictWriter(buf, fieldnames=list(rows[0]), extrasaction="ignore",
-                                restval="")
-        writer.writeheader()
-        writer.writerows(to_jsonable(rows))
-    return buf.getvalue()
+    return _csv([row for _, scores, _ in scored.values() for row in scores.to_rows()])
 
 
 def render_channels(section: dict) -> str:
@@ -265,7 +258,8 @@ def _unknown_layer(name, structure):
 def _csv(rows) -> str:
     buf = io.StringIO()
     if rows:
-        writer = csv.DictWriter(buf, fieldnames=list(rows[0]), extrasaction="ignore")
+        writer = csv.DictWriter(buf, fieldnames=list(rows[0]), extrasaction="ignore",
+                                restval="")
         writer.writeheader()
         writer.writerows(to_jsonable(rows))
     return buf.getvalue()

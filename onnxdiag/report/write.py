@@ -11,6 +11,20 @@ from ..errors import OutputError
 from ..model_io import ensure_writable_dir
 
 
+def check_report_folder(folder, *, overwrite: bool = False) -> Path:
+    """Raise OutputError unless ``folder`` can receive a report (checked before any work)."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise OutputError(f"Report path '{folder}' is a file; give a folder name with --out.")
+    if folder.is_dir() and any(folder.iterdir()) and not overwrite:
+        raise OutputError(
+            f"Report folder '{folder}' already exists and is not empty; choose another --out "
+            "or pass --overwrite."
+        )
+    ensure_writable_dir(folder.parent)
+    return folder
+
+
 def write_report(folder, files: dict[str, str | bytes], *, overwrite: bool = False) -> Path:
     """Write ``files`` ({name: content}) into ``folder``, atomically.
 
@@ -21,14 +35,7 @@ def write_report(folder, files: dict[str, str | bytes], *, overwrite: bool = Fal
     Raises:
         OutputError: the folder exists (without ``overwrite``) or is not writable.
     """
-    folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise OutputError(f"Report path '{folder}' is a file; give a folder name with --out.")
-    if folder.is_dir() and any(folder.iterdir()) and not overwrite:
-        raise OutputError(
-            f"Report folder '{folder}' already exists and is not empty; choose another --out "
-            "or pass --overwrite."
-        )
+    folder = check_report_folder(folder, overwrite=overwrite)
     parent = ensure_writable_dir(folder.parent)
     tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{folder.name}.tmp-"))
     try:
