@@ -289,5 +289,8 @@ def lesion(model, fmt, layers, channels, **kwargs):
     _emit(lesion_report(model, layers=list(layers), channels=chans, **_common(kwargs)), fmt)
 
 
+# Verbs defined in their own modules register themselves on ``cli`` when imported.
+from . import cli_sparse, cli_structured  # noqa: E402,F401  (registers commands)
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
