@@ -41,6 +41,8 @@ def list_checkpoints(sources: Sequence[str | os.PathLike]) -> list[Checkpoint]:
     """
     from .selection import natural_sort_key
 
+    if isinstance(sources, (str, os.PathLike)):
+        sources = [sources]  # one folder or listing, not a sequence of characters
     entries: list[tuple[str, float | None]] = []
     for src in sources:
         p = Path(src)

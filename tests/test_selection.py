@@ -179,3 +179,18 @@ def test_rank_models():
     no_base = rank_models(grad, acc, "lower")
     assert math.isnan(no_base.baseline_spearman)
     json.dumps(no_base.to_dict(), allow_nan=False)
+
+
+def test_list_checkpoints_accepts_one_folder_or_listing_as_a_string(tmp_path):
+    from onnxdiag.checkpoints import list_checkpoints
+
+    for name in ("ckpt_10.onnx", "ckpt_2.onnx", "notes.txt"):
+        (tmp_path / name).write_bytes(b"x")
+    listing = tmp_path / "series.json"
+    listing.write_text(json.dumps([{"path": "ckpt_2.onnx", "step": 2},
+                                   {"path": "ckpt_10.onnx", "step": 10}]))
+    from_folder = list_checkpoints(str(tmp_path))
+    assert [p.path.rsplit("/", 1)[1] for p in from_folder] == ["ckpt_2.onnx", "ckpt_10.onnx"]
+    assert [c.step for c in list_checkpoints(listing)] == [2, 10]
+    with pytest.raises(OnnxDiagError, match="does not exist"):
+        list_checkpoints(str(tmp_path / "missing.onnx"))
