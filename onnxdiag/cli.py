@@ -125,6 +125,10 @@ def _emit(result, fmt: str) -> None:
         click.echo(result.summary, nl=False)
     if result.folder is not None:
         click.echo(f"Report written to {result.folder}", err=True)
+        if not (result.folder / "report.html").exists():
+            from .report.html import HTML_EXTRA_HINT
+
+            click.echo(f"note: {HTML_EXTRA_HINT}.", err=True)
 
 
 def _common(kwargs: dict) -> dict:

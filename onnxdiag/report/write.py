@@ -28,6 +28,8 @@ def check_report_folder(folder, *, overwrite: bool = False) -> Path:
 def write_report(folder, files: dict[str, str | bytes], *, overwrite: bool = False) -> Path:
     """Write ``files`` ({name: content}) into ``folder``, atomically.
 
+    When ``files`` holds ``report.json`` and matplotlib is installed, ``report.html`` is
+    added beside it (plots embedded; see :mod:`.html`).
     The files are written to a temporary sibling folder which is then renamed into
     place. An existing non-empty ``folder`` is replaced only with ``overwrite``
     (its old contents are removed only after the new report is complete).
@@ -36,6 +38,7 @@ def write_report(folder, files: dict[str, str | bytes], *, overwrite: bool = Fal
         OutputError: the folder exists (without ``overwrite``) or is not writable.
     """
     folder = check_report_folder(folder, overwrite=overwrite)
+    files = _with_html(files)
     parent = ensure_writable_dir(folder.parent)
     tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{folder.name}.tmp-"))
     try:
@@ -54,3 +57,17 @@ def write_report(folder, files: dict[str, str | bytes], *, overwrite: bool = Fal
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return folder
+
+
+def _with_html(files: dict[str, str | bytes]) -> dict[str, str | bytes]:
+    """Add report.html rendered from report.json (and report.txt) when plotting is available."""
+    if "report.json" not in files or "report.html" in files:
+        return files
+    import json
+
+    from .html import render_html
+
+    text = files.get("report.txt")
+    page = render_html(json.loads(files["report.json"]),
+                       text if isinstance(text, str) else None)
+    return files if page is None else {**files, "report.html": page}
