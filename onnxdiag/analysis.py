@@ -11,7 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import OnnxDiagError
-from .report import SCHEMA_VERSION, build_metadata, to_json, to_jsonable, write_report
+from .report import (
+    SCHEMA_VERSION,
+    build_metadata,
+    rows_to_csv,
+    to_json,
+    to_jsonable,
+    write_report,
+)
 from .report.sections import render_readouts, render_structure
 
 DEFAULT_REPORT_ROOT = Path("onnxdiag-report")
@@ -25,6 +32,8 @@ class CommandResult:
     summary: str
     text: str
     folder: Path | None = None
+    #: The command's main table as CSV (``--format csv``); None when it has none.
+    csv: str | None = None
 
     def report_json_obj(self) -> dict:
         return to_jsonable(self.report)
@@ -67,11 +76,14 @@ def _open(source, specs, *, labels=None, limit=None, seed=0, batch_size=64):
 
 
 def _finish(command: str, report: dict, text: str, summary: str, folder,
-            overwrite) -> CommandResult:
+            overwrite, *, csv: str | None = None, csv_name: str | None = None) -> CommandResult:
+    """Write the report folder (report.json, report.txt, the CSV table when given)."""
     if folder is not None:
-        write_report(folder, {"report.json": to_json(report), "report.txt": text},
-                     overwrite=overwrite)
-    return CommandResult(report=report, summary=summary, text=text, folder=folder)
+        files = {"report.json": to_json(report), "report.txt": text}
+        if csv is not None:
+            files[csv_name or f"{command}.csv"] = csv
+        write_report(folder, files, overwrite=overwrite)
+    return CommandResult(report=report, summary=summary, text=text, folder=folder, csv=csv)
 
 
 def analyze(model=None, *, data=None, labels=None, eval_data=None, eval_labels=None,
@@ -144,7 +156,21 @@ def _single_model_report(command, path, p, *, out, overwrite, write, structure_s
                                 "eval": evaluation.describe() if evaluation else None})
     report = {"schema": SCHEMA_VERSION, "metadata": meta, **sections}
     text = _header(meta) + "\n".join(texts)
-    return _finish(command, report, text, text, folder, overwrite)
+    table = None
+    if "readouts" in sections:
+        table = rows_to_csv([_readout_row(path, to_jsonable(sections["readouts"]))])
+    return _finish(command, report, text, text, folder, overwrite, csv=table,
+                   csv_name="readouts.csv")
+
+
+def _readout_row(path, result: dict) -> dict:
+    """One CSV row: model, every readout value, evaluation and the degenerate flag."""
+    r = result["readouts"]
+    row = {"model": str(path), **r["values"], "n_samples": r["n_samples"],
+           "targets": r["targets"], "degenerate": r["degenerate"]}
+    ev = result.get("evaluation") or {}
+    row.update({"top1": ev.get("accuracy"), "eval_loss": ev.get("loss")})
+    return row
 
 
 def _header(meta: dict) -> str:
@@ -213,7 +239,13 @@ def select_report(checkpoints, *, data, labels=None, eval_data=None, eval_labels
                           data={"probe": ok[0].result["data"]})
     report = {"schema": SCHEMA_VERSION, "metadata": meta, "selection": section}
     text = render_selection(section, ok, select_by)
-    return _finish("select", report, text, text, folder, overwrite)
+    table = rows_to_csv([{"index": s.checkpoint.index, "step": s.checkpoint.step,
+                          "flagged": i in section["flagged"],
+                          "selected": i == section.get("selected"),
+                          **_readout_row(s.checkpoint.path, s.result)}
+                         for i, s in enumerate(ok)])
+    return _finish("select", report, text, text, folder, overwrite, csv=table,
+                   csv_name="checkpoints.csv")
 
 
 def _series_values(ok, name: str) -> list[float]:

@@ -111,8 +111,10 @@ def output_options(f):
         click.option("--out", "out", default=None,
                      help="Report folder (default: ./onnxdiag-report/<command>)."),
         click.option("--overwrite", is_flag=True, help="Replace an existing report folder."),
-        click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
-                     show_default=True, help="What to print on stdout."),
+        click.option("--format", "fmt", type=click.Choice(["text", "json", "csv"]),
+                     default="text", show_default=True,
+                     help="What to print on stdout: the text report, the JSON report, or "
+                          "the command's main table as CSV."),
     ]):
         f = opt(f)
     return f
@@ -121,6 +123,11 @@ def output_options(f):
 def _emit(result, fmt: str) -> None:
     if fmt == "json":
         click.echo(json.dumps(result.report_json_obj(), indent=2))
+    elif fmt == "csv":
+        if result.csv is None:
+            raise OnnxDiagError("This run has no table to print as CSV (e.g. no --data); use "
+                                "--format text or json.")
+        click.echo(result.csv, nl=False)
     else:
         click.echo(result.summary, nl=False)
     if result.folder is not None:

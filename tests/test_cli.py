@@ -173,3 +173,25 @@ def test_console_script_exit_code_and_debug(tmp_path):
     debug = subprocess.run(cmd + ["--debug", "inspect", str(tmp_path / "x.onnx")],
                            capture_output=True, text=True)
     assert debug.returncode == 1 and "Traceback" in debug.stderr
+
+
+def test_format_csv_matches_the_json_report(tmp_path):
+    import csv
+    import io
+
+    sample = get_sample()
+    args = ["readouts", sample.model, "--data", sample.calibration, "--limit", 80]
+    res = run(*args, "--format", "csv", "--out", tmp_path / "csv")
+    assert res.exit_code == 0, res.output
+    rows = list(csv.DictReader(io.StringIO(res.stdout)))
+    report = json.loads((tmp_path / "csv" / "report.json").read_text())
+    values = report["readouts"]["readouts"]["values"]
+    assert len(rows) == 1 and rows[0]["model"] == str(sample.model)
+    for name, v in values.items():
+        assert float(rows[0][name]) == pytest.approx(v, rel=1e-12)
+    assert (tmp_path / "csv" / "readouts.csv").read_text() == res.stdout
+
+
+def test_format_csv_without_a_table_is_a_user_error(tmp_path):
+    res = run("analyze", get_sample().model, "--format", "csv", "--out", tmp_path / "r")
+    assert_user_error(res, "no table to print as CSV")

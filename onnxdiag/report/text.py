@@ -45,3 +45,23 @@ def render_table(rows: list[dict], columns: list[str] | None = None, *, title: s
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) or value is None
+
+
+def rows_to_csv(rows: list[dict]) -> str:
+    """Rows (dicts) as CSV text: columns from the union of keys in first-seen order,
+    missing cells empty, values made JSON-like (NaN → empty)."""
+    import csv
+    import io
+
+    from .json import to_jsonable
+
+    rows = to_jsonable(rows)
+    columns: dict[str, None] = {}
+    for row in rows:
+        columns.update(dict.fromkeys(row))
+    buf = io.StringIO()
+    if rows:
+        writer = csv.DictWriter(buf, fieldnames=list(columns), restval="", lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+    return buf.getvalue()
