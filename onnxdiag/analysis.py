@@ -198,16 +198,19 @@ TABLE_READOUTS = ("head_grad", "head_grad_feature", "loss", "confidence", "entro
 def select_report(checkpoints, *, data, labels=None, eval_data=None, eval_labels=None,
                   limit=None, seed=0, batch_size=64, providers=None, head=None, features=None,
                   targets="auto", norm="feature", include_bias=False, window=5, patience=3,
-                  select_by=None, jobs=None, out=None, overwrite=False, write=True,
-                  progress=True) -> CommandResult:
+                  select_by=None, jobs=None, executor=None, out=None, overwrite=False,
+                  write=True, progress=True) -> CommandResult:
     """Score a checkpoint series and pick one without validation data (``onnxdiag select``).
 
     Every checkpoint sees the same probe batch (fixed indices, saved in the report). A
     checkpoint that fails is reported and skipped. With ``eval_data`` each readout's
     choice is compared with the labelled oracle (SPEC A3); when the checkpoints differ in
-    architecture the series is ranked as a zoo ("screening").
+    architecture the series is ranked as a zoo ("screening"). ``executor``: ``local``
+    (default, ``jobs`` worker processes), ``ray`` or ``ray=HOST:PORT`` (one Ray task per
+    checkpoint, the probe batch shipped once), or an :class:`~onnxdiag.executor.Executor`.
     """
     from .checkpoints import list_checkpoints, score_checkpoints
+    from .executor import Executor, make_executor
     from .readouts import HEAD_GRAD_NAMES, get_readout
 
     folder = _check_out(out, "select", overwrite, write)
@@ -219,8 +222,15 @@ def select_report(checkpoints, *, data, labels=None, eval_data=None, eval_labels
                                                     seed=seed, batch_size=batch_size)
     options = dict(head=head, features=features, targets=targets, norm=norm,
                    include_bias=include_bias, providers=providers)
-    scored = score_checkpoints(series, probe_args, eval_args, options=options, jobs=jobs,
-                               progress=progress)
+    own = not isinstance(executor, Executor)
+    ex = make_executor(executor, jobs=jobs) if own else executor
+    try:
+        scored = score_checkpoints(series, probe_args, eval_args, options=options, jobs=jobs,
+                                   progress=progress, executor=ex)
+        ran_on = ex.describe()
+    finally:
+        if own:
+            ex.close()
     ok = [s for s in scored if s.error is None]
     if not ok:
         raise OnnxDiagError(f"No checkpoint could be scored; the first error was: "
@@ -229,7 +239,8 @@ def select_report(checkpoints, *, data, labels=None, eval_data=None, eval_labels
                   eval_data=eval_data, eval_labels=eval_labels, limit=limit, seed=seed,
                   batch_size=batch_size, providers=providers, head=head, features=features,
                   targets=targets, norm=norm, include_bias=include_bias, window=window,
-                  patience=patience, select_by=select_by, jobs=jobs)
+                  patience=patience, select_by=select_by, jobs=jobs, executor=str(executor or
+                                                                                  "local"))
     section = summarize_series(ok, window=window, patience=patience, select_by=select_by,
                                has_eval=eval_data is not None)
     section["checkpoints"] = [s.to_dict() for s in scored]
@@ -237,6 +248,7 @@ def select_report(checkpoints, *, data, labels=None, eval_data=None, eval_labels
                          if s.error is not None]
     meta = build_metadata(command="select", parameters=params,
                           data={"probe": ok[0].result["data"]})
+    meta["executor"] = ran_on
     report = {"schema": SCHEMA_VERSION, "metadata": meta, "selection": section}
     text = render_selection(section, ok, select_by)
     table = rows_to_csv([{"index": s.checkpoint.index, "step": s.checkpoint.step,

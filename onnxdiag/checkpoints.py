@@ -12,9 +12,10 @@ import csv
 import json
 import os
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from .errors import OnnxDiagError
 
@@ -143,30 +144,80 @@ def architecture_signature(structure) -> str:
 
 def score_checkpoints(checkpoints: Sequence[Checkpoint], probe_args: dict,
                       eval_args: dict | None = None, *, options: dict | None = None,
-                      jobs: int | None = None, progress: bool = False) -> list[ScoredCheckpoint]:
-    """Score every checkpoint (in parallel worker processes when ``jobs`` > 1).
+                      jobs: int | None = None, progress: bool = False,
+                      executor=None) -> list[ScoredCheckpoint]:
+    """Score every checkpoint, one unit of work per checkpoint.
 
-    Results come back in series order; failed checkpoints carry ``error``.
+    ``executor``: an :class:`onnxdiag.executor.Executor` (default: local worker processes,
+    ``jobs`` of them). On Ray the probe (and evaluation) samples are read once here and
+    shipped once through the object store; locally each worker reads them from the
+    source. Results come back in series order; failed checkpoints carry ``error``.
     """
-    from .data import progress as progress_bar
+    from .executor import LocalExecutor, RayExecutor
 
     options = dict(options or {})
-    jobs = max(1, min(jobs or os.cpu_count() or 1, len(checkpoints)))
-    if jobs == 1:
-        items = checkpoints
-        if progress:
-            items = progress_bar(checkpoints, len(checkpoints), "Scoring checkpoints")
-        return [score_checkpoint(c, probe_args, eval_args, options) for c in items]
-    # Cores go to processes, not to ORT's intra-op threads (measured: benchmarks/RESULTS.md).
-    options.setdefault("threads", 1)
+    executor = executor or LocalExecutor(jobs)
+    descriptions = None
+    if isinstance(executor, RayExecutor):
+        probe_args, eval_args, descriptions = _materialize(checkpoints, probe_args, eval_args)
+    n_local = max(1, min(jobs or os.cpu_count() or 1, len(checkpoints)))
+    if isinstance(executor, RayExecutor) or n_local > 1:
+        # Cores go to processes, not to ORT's intra-op threads (benchmarks/RESULTS.md).
+        options.setdefault("threads", 1)
     results: dict[int, ScoredCheckpoint] = {}
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        futures = [pool.submit(score_checkpoint, c, probe_args, eval_args, options)
-                   for c in checkpoints]
-        done = as_completed(futures)
-        if progress:
-            done = progress_bar(done, len(futures), "Scoring checkpoints")
-        for future in done:
-            scored = future.result()
-            results[scored.checkpoint.index] = scored
-    return [results[c.index] for c in checkpoints]
+    for i, scored, error in executor.map(_score_unit, checkpoints,
+                                         (probe_args, eval_args, options),
+                                         label="Scoring checkpoints" if progress else None,
+                                         gpu=_wants_gpu(options.get("providers"))):
+        if scored is None:  # the unit itself died (worker crash); keep the message
+            scored = ScoredCheckpoint(checkpoints[i], None, error)
+        results[i] = scored
+    out = [results[i] for i in range(len(checkpoints))]
+    if descriptions is not None:
+        for s in out:
+            if s.result is not None:
+                s.result["data"] = descriptions[0]
+    return out
+
+
+def _score_unit(checkpoint, probe_args, eval_args, options):
+    return score_checkpoint(checkpoint, probe_args, eval_args, options)
+
+
+def _wants_gpu(providers) -> bool:
+    text = ",".join(providers) if isinstance(providers, (list, tuple)) else str(providers or "")
+    return "cuda" in text.lower() or "tensorrt" in text.lower()
+
+
+def _materialize(checkpoints, probe_args: dict, eval_args: dict | None):
+    """Read the probe (and evaluation) samples once, as arrays for the object store."""
+    from .data import open_data
+    from .model_io import get_input_specs, load_model
+
+    specs, first_error = None, None
+    for c in checkpoints:
+        try:
+            specs = get_input_specs(load_model(c.path))
+            break
+        except OnnxDiagError as exc:
+            first_error = first_error or exc
+    if specs is None:
+        raise OnnxDiagError(f"No checkpoint could be loaded; the first error was: {first_error}")
+
+    def read(args):
+        source = open_data(inputs=specs, **args)
+        feeds, labels = {}, []
+        for batch in source.batches():
+            for k, v in batch.feeds.items():
+                feeds.setdefault(k, []).append(v)
+            if batch.labels is not None:
+                labels.append(batch.labels)
+        arrays = {k: np.concatenate(v) for k, v in feeds.items()}
+        if labels:
+            arrays["labels"] = np.concatenate(labels)
+        shipped = dict(source=arrays, batch_size=source.batch_size)
+        return shipped, source.describe()
+
+    probe, probe_desc = read(probe_args)
+    evaluation, eval_desc = read(eval_args) if eval_args else (None, None)
+    return probe, evaluation, (probe_desc, eval_desc)

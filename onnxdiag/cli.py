@@ -120,6 +120,13 @@ def output_options(f):
     return f
 
 
+def executor_option(f):
+    return click.option(
+        "--executor", default="local", show_default=True, metavar="local|ray[=ADDRESS]",
+        help="Where the units of work run: local worker processes, a local Ray instance "
+             "(ray), or a running Ray cluster (ray=HOST:PORT). Ray needs the [ray] extra.")(f)
+
+
 def _emit(result, fmt: str) -> None:
     if fmt == "json":
         click.echo(json.dumps(result.report_json_obj(), indent=2))
@@ -209,7 +216,9 @@ def readouts(model, fmt, **kwargs):
 @click.option("--select-by", default=None,
               help="Readout used for the headline choice (default: the head gradient, --norm).")
 @click.option("--jobs", type=click.IntRange(min=1), default=None,
-              help="Worker processes (default: one per core).")
+              help="Worker processes (default: one per core; with ray, CPUs of the local "
+                   "instance).")
+@executor_option
 @output_options
 def select(checkpoints, fmt, **kwargs):
     """Pick a checkpoint without validation data (SPEC A3).
