@@ -5,9 +5,14 @@
 
 Measures on N real Fashion-MNIST test images (Debian package dataset-fashion-mnist):
   plain      plain ORT inference of the model (the baseline, 1.00x)
+  plain_nospin  the same with ORT's intra-op threads not spin-waiting (the session setting
+             the channel-statistics pass uses), for reference
   expose     the same pass with every conv output exposed as a graph output (issue 2)
   readouts   the readout pass: head features + logits exposed, readouts accumulated (issue 3)
   channels   the channel-statistics pass over all analysed layers (issue 4)
+CPU seconds (all threads of the process, ``time.process_time``) are printed next to the wall
+time: on a shared, loaded machine they show the work each pass adds (spin-waiting threads
+inflate them for the spinning variants, so their ratio is taken against plain_nospin);
 and the peak resident memory of the channel-statistics pass at N/10 and N images (separate
 processes), which must not grow with N. Each timing is the best of --repeat runs after a
 warm-up; ORT uses its default threads (all cores) in every variant.
@@ -42,18 +47,33 @@ def load_fashion_mnist_test(n: int) -> tuple[np.ndarray, np.ndarray]:
     return (x.astype(np.float32) / 255.0), y
 
 
-def best_of(fn, repeat: int) -> float:
-    fn()  # warm-up (session creation is excluded from every variant alike)
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
+def best_of_interleaved(fns: dict, repeat: int) -> dict:
+    """Best time of each variant over ``repeat`` round-robin rounds after one warm-up each.
+
+    Round-robin (plain, expose, …, plain, expose, …) so that load from other processes
+    on a shared machine hits every variant alike; session creation is excluded from
+    every variant alike.
+    """
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    best = dict.fromkeys(fns, float("inf"))
+    cpu = dict.fromkeys(fns, float("inf"))
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+            cpu[name] = min(cpu[name], time.process_time() - c0)
+    return best, cpu
 
 
 def run_variants(model_path: str, n: int, batch_size: int, repeat: int) -> dict:
-    from onnxdiag.collect import collect_channel_moments, find_analysed_layers
+    from onnxdiag.collect import (
+        StatsRunner,
+        collect_channel_moments,
+        find_analysed_layers,
+        make_stats_runner,
+    )
     from onnxdiag.data import open_data
     from onnxdiag.graph import analyze_structure
     from onnxdiag.instrument import expose_tensors
@@ -67,22 +87,27 @@ def run_variants(model_path: str, n: int, batch_size: int, repeat: int) -> dict:
     source = open_data({"input": x, "labels": y}, get_input_specs(model), batch_size=batch_size)
     convs = [la.output for la in structure.layers if la.op_type == "Conv"]
     plain = OrtRunner(model)
+    plain_quiet = StatsRunner(model)  # plain inference, ORT threads not spinning
     exposed = OrtRunner(expose_tensors(model, convs))
     head_runner = make_head_runner(model, structure.head)
+    stats_runner = make_stats_runner(model, structure)
 
     def run_all(runner, names=None):
         for batch in source.batches():
             runner.run(batch.feeds, names)
 
-    results = {
-        "plain": best_of(lambda: run_all(plain), repeat),
-        "expose": best_of(lambda: run_all(exposed), repeat),
-        "readouts": best_of(lambda: probe_model(model, structure, source, runner=head_runner),
-                            repeat),
-        "channels": best_of(lambda: collect_channel_moments(model, structure, source), repeat),
-    }
+    results, cpu = best_of_interleaved({
+        "plain": lambda: run_all(plain),
+        "plain_nospin": lambda: run_all(plain_quiet),
+        "expose": lambda: run_all(exposed),
+        "readouts": lambda: probe_model(model, structure, source, runner=head_runner),
+        "channels": lambda: collect_channel_moments(model, structure, source,
+                                                    runner=stats_runner),
+    }, repeat)
     return {"seconds": results,
             "ratio": {k: v / results["plain"] for k, v in results.items()},
+            "cpu_seconds": cpu,
+            "cpu_ratio_vs_nospin": {k: v / cpu["plain_nospin"] for k, v in cpu.items()},
             "n_images": n, "batch_size": batch_size, "n_convs_exposed": len(convs),
             "n_layers_analysed": len(find_analysed_layers(structure))}
 
@@ -171,9 +196,13 @@ def main() -> None:
                      for k in (args.n // 10, args.n)}
     res["machine"] = f"{platform.machine()}, {platform.processor() or ''} "\
                      f"{__import__('os').cpu_count()} cores, Python {platform.python_version()}"
-    print(f"{'pass':10s} {'seconds':>8s} {'x plain':>8s}")
+    print(f"{'pass':12s} {'seconds':>8s} {'x plain':>8s} {'cpu s':>8s} {'cpu x nospin':>12s}")
     for k, v in res["seconds"].items():
-        print(f"{k:10s} {v:8.3f} {res['ratio'][k]:8.2f}")
+        print(f"{k:12s} {v:8.3f} {res['ratio'][k]:8.2f} {res['cpu_seconds'][k]:8.3f} "
+              f"{res['cpu_ratio_vs_nospin'][k]:12.2f}")
+    res["load_average"] = __import__("os").getloadavg()
+    print("load average (1, 5, 15 min) after the timings: "
+          + ", ".join(f"{x:.2f}" for x in res["load_average"]))
     for k, m in res["memory"].items():
         print(f"channel-statistics pass, {k} images: peak RSS {m['peak_mib']:.1f} MiB, "
               f"growth during the pass {m['growth_mib']:.1f} MiB (streamed data: "

@@ -148,6 +148,13 @@ def _single_model_report(command, path, p, *, out, overwrite, write, structure_s
                              label="Probing")
         sections["readouts"] = result.to_dict()
         texts.append(render_readouts(to_jsonable(sections["readouts"])))
+        if command == "analyze":
+            from .channel_report import channel_section
+
+            sections["channels"], ch_text = channel_section(
+                model, probe, structure, targets=p["targets"], seed=p["seed"],
+                providers=p["providers"], model_name=str(path), label="Channel statistics")
+            texts.append(ch_text)
     elif command == "analyze":
         texts.append("== Readouts ==\nskipped: no --data given (readouts need a probe batch).\n")
     meta = build_metadata(command=command, parameters=p, model_path=path,

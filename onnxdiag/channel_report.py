@@ -132,6 +132,46 @@ def _section(per_model) -> dict:
             "trajectory": trajectory}
 
 
+def channel_section(model, source, structure, *, targets="auto", seed=0, providers=None,
+                    layers=None, n_positions=16, task_samples="match", k_peers=10, ridge=1e-3,
+                    model_name: str = "", label: str | None = None) -> tuple[dict, str]:
+    """The channel section of ``onnxdiag analyze``: ``(section dict, rendered text)``.
+
+    One statistics pass over ``source`` (a DataSource, e.g. the probe batch), the scores
+    and the B4 structure per layer; the summary per layer is the axis correlations, the
+    ARI, the noise floor count and the most / least substitutable channels (by peer R²,
+    with their R² values). Per-channel tables are left to ``onnxdiag channels``.
+    ``model`` is a loaded ModelProto (never modified) and ``structure`` its
+    :func:`onnxdiag.graph.analyze_structure`. ``targets="expected"`` (a readout-only
+    choice) is treated as ``auto``. A model without an analysable conv (≥ 4 channels,
+    not the head) gives ``{"skipped": reason, "layers": []}`` instead of an error, so
+    ``analyze`` can always call it.
+    """
+    from .clustering import summarize_layers
+    from .collect import collect_channel_moments, find_analysed_layers
+
+    if targets == "expected":
+        targets = "auto"
+    if layers is None and not find_analysed_layers(structure):
+        reason = "no conv layer with at least 4 output channels (head excluded)"
+        return ({"skipped": reason, "layers": []},
+                f"== Channels: two axes (SPEC B) ==\nskipped: {reason}.\n")
+    stats = collect_channel_moments(model, structure, source, layers=layers,
+                                    n_positions=n_positions, task_samples=task_samples,
+                                    targets=targets, seed=seed, providers=providers,
+                                    label=label)
+    scored = score_collected(model, stats, structure, k_peers=k_peers, ridge=ridge)
+    summary = summarize_layers([s for _, s, _ in scored.values()], seed=seed)
+    section = _section([(model_name, stats, scored, summary)])
+    for row in section["layers"]:
+        r2 = row.pop("scores")["scores"]["peer_r2"]
+        row["most_substitutable_r2"] = [float(r2[i]) for i in row["most_substitutable"]]
+        row["least_substitutable_r2"] = [float(r2[i]) for i in row["least_substitutable"]]
+    section["params"] = {"n_positions": n_positions, "task_samples": task_samples,
+                         "k_peers": k_peers, "ridge": ridge, "seed": seed}
+    return section, render_channels(section)
+
+
 def channel_rows_csv(scored) -> str:
     """One CSV row per channel: layer, channel, every score."""
     return _csv([row for _, scores, _ in scored.values() for row in scores.to_rows()])

@@ -9,6 +9,8 @@ Memory is O(C²) per layer, independent of the number of images.
 
 from __future__ import annotations
 
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -94,11 +96,16 @@ class ChannelStats:
 
 def collect_channel_moments(model, structure, source, *, layers=None, n_positions: int = 16,
                             task_samples: str = "match", targets: str = "auto", seed: int = 0,
-                            providers=None, label: str | None = None) -> ChannelStats:
+                            providers=None, label: str | None = None,
+                            runner: OrtRunner | None = None,
+                            overlap: bool = True) -> ChannelStats:
     """Stream ``source`` once and accumulate every analysed layer's moments (SPEC B1).
 
     ``targets``: "labels" (ground-truth logit margin), "pseudo" (the predicted class's
     margin; flagged in reports) or "auto" (labels when present). Never modifies ``model``.
+    ``runner``: a session from :func:`make_stats_runner` with the same ``layers``, to reuse
+    across passes (otherwise one is made). ``overlap``: fold each batch's statistics on
+    a worker thread while the next batch runs (same result, in the same order).
     """
     if task_samples not in TASK_SAMPLES:
         raise OnnxDiagError(f"--task-samples must be one of {', '.join(TASK_SAMPLES)}; "
@@ -112,24 +119,83 @@ def collect_channel_moments(model, structure, source, *, layers=None, n_position
         raise OnnxDiagError("No conv layer with at least 4 output channels to analyse; "
                             "`onnxdiag inspect MODEL` lists the layers.")
     head = structure.head
-    names = [la.output for la in chosen] + [head.features, head.logits]
-    runner = OrtRunner(expose_tensors(model, names), providers=providers)
+    names = _exposed_names(chosen, head)
+    if runner is None:
+        runner = StatsRunner(expose_tensors(model, names), providers=providers)
+    elif not set(names) <= set(runner.output_names):
+        raise OnnxDiagError("The runner passed to collect_channel_moments does not expose "
+                            "the analysed layers; make it with make_stats_runner(model, "
+                            "structure, layers).")
     acc = {la.node_name: LayerMoments(la.node_name, la.n_out, Moments(la.n_out + 2),
                                       Moments(la.n_out) if task_samples == "gap" else None)
            for la in chosen}
-    n_images = 0
-    for batch, out in runner.stream(source, names, label=label):
+    buffers: dict = {}  # reused float64 work buffers, one per (rows, columns) shape
+
+    def fold_batch(batch, out) -> int:
         _, U = head_arrays(out, head)
         t = target_margin(U, batch.labels if targets == "labels" else None)
         t_null = _shuffle(t, seed, batch.indices)
         positions: dict[int, np.ndarray] = {}
         for la in chosen:
             _fold(acc[la.node_name], out[la.output], t, t_null, batch.indices, positions,
-                  n_positions, seed, task_samples)
-        n_images += len(t)
+                  n_positions, seed, task_samples, buffers)
+        return len(t)
+
+    n_images = 0
+    with _single_threaded_blas():
+        if not overlap:
+            for batch, out in runner.stream(source, names, label=label):
+                n_images += fold_batch(batch, out)
+        else:
+            # Fold batch b on a worker thread while ONNX Runtime runs batch b + 1 (both
+            # release the GIL); batches are folded in order, at most two are held.
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                pending = None
+                for batch, out in runner.stream(source, names, label=label):
+                    if pending is not None:
+                        n_images += pending.result()
+                    pending = pool.submit(fold_batch, batch, out)
+                if pending is not None:
+                    n_images += pending.result()
     return ChannelStats(layers=acc, targets=targets, task_samples=task_samples,
                         n_positions=n_positions, seed=seed, n_images=n_images,
                         data=source.describe())
+
+
+def _exposed_names(chosen, head) -> list[str]:
+    return [la.output for la in chosen] + [head.features, head.logits]
+
+
+def make_stats_runner(model, structure, *, layers=None, providers=None) -> StatsRunner:
+    """The session of the statistics pass (analysed layers + head exposed), to reuse."""
+    chosen = find_analysed_layers(structure, layers)
+    names = _exposed_names(chosen, structure.head)
+    return StatsRunner(expose_tensors(model, names), providers=providers)
+
+
+def _single_threaded_blas():
+    """Keep BLAS on one thread during the pass (threadpoolctl, when installed).
+
+    The per-batch Gram matrices are small; a multi-threaded BLAS gains little on them
+    and its worker threads busy-wait on the cores ONNX Runtime runs on next.
+    """
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # optional: the pass is correct without it, only slower
+        return contextlib.nullcontext()
+    return threadpool_limits(1, user_api="blas")
+
+
+class StatsRunner(OrtRunner):
+    """An :class:`OrtRunner` whose intra-op threads sleep instead of spinning between runs.
+
+    The statistics pass alternates ORT runs with NumPy/BLAS work on the same cores; ORT's
+    default spin-wait after each run keeps those cores busy and made the NumPy work (and
+    the next run) several times slower. Same providers and optimisation level otherwise.
+    """
+
+    def __init__(self, model, *, providers=None):
+        super().__init__(model, providers=providers, spinning=False)
 
 
 def _shuffle(t: np.ndarray, seed: int, indices: np.ndarray) -> np.ndarray:
@@ -143,7 +209,14 @@ def _shuffle(t: np.ndarray, seed: int, indices: np.ndarray) -> np.ndarray:
 
 
 def _fold(acc: LayerMoments, x: np.ndarray, t, t_null, indices, positions, n_positions, seed,
-          task_samples) -> None:
+          task_samples, buffers: dict) -> None:
+    """Fold one layer's batch output into its moments (the hot loop of the pass).
+
+    The sampled float32 rows are gathered with one fancy index, shifted by the running
+    mean into a reused float64 buffer ``[y − centre | T − centre | T_null − centre | 1]``
+    and reduced by one BLAS Gram (syrk): its last row holds the sums around the centre,
+    so :meth:`Moments.update_sums` needs no second pass over the samples.
+    """
     n, c = x.shape[:2]
     flat = x.reshape(n, c, -1)
     hw = flat.shape[2]
@@ -151,10 +224,35 @@ def _fold(acc: LayerMoments, x: np.ndarray, t, t_null, indices, positions, n_pos
         positions[hw] = draw_positions(hw, n_positions, seed=seed, sample_indices=indices)
     pos = positions[hw]
     k = pos.shape[1]
-    samples = flat[np.arange(n)[:, None], :, pos].reshape(-1, c).astype(np.float64)
+    # (n, 1) and (n, k) around a slice: the result is (n, k, c), image-major rows.
+    samples = flat[np.arange(n)[:, None], :, pos].reshape(n * k, c)
     if task_samples == "match":
-        acc.task.update(np.column_stack([samples, np.repeat(t, k), np.repeat(t_null, k)]))
+        targets = np.column_stack([t, t_null])
+        _fold_rows(acc.task, samples, targets, k, buffers)
     else:
-        acc.local.update(samples)
+        _fold_rows(acc.local, samples, None, k, buffers)
         acc.task.update(np.column_stack([spatial_mean(x), t, t_null]))
     acc.n_images += n
+
+
+def _fold_rows(moments: Moments, samples: np.ndarray, targets: np.ndarray | None, k: int,
+               buffers: dict) -> None:
+    """``moments`` of the columns [samples, targets repeated k times per image]."""
+    rows, c = samples.shape
+    if rows == 0:
+        return
+    d = c + (0 if targets is None else targets.shape[1])
+    if moments.n:
+        centre = moments.mean
+    else:
+        first = [samples[0]] if targets is None else [samples[0], targets[0]]
+        centre = np.concatenate(first).astype(np.float64)
+    buf = buffers.get((rows, d))
+    if buf is None:
+        buf = buffers[(rows, d)] = np.empty((rows, d + 1))
+        buf[:, d] = 1.0
+    np.subtract(samples, centre[:c], out=buf[:, :c])
+    if targets is not None:
+        buf[:, c:d] = np.repeat(targets - centre[c:], k, axis=0)
+    gram = buf.T @ buf  # one syrk: Gram of the centred columns and, last row, their sums
+    moments.update_sums(rows, centre, gram[d, :d], gram[:d, :d])

@@ -25,7 +25,8 @@ PROVIDER_ALIASES = {
     "dml": "DmlExecutionProvider",
     "coreml": "CoreMLExecutionProvider",
 }
-ORT_DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-training")
+ORT_DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-training",
+                     "onnxruntime-training-cpu")
 OPTIMIZATION_LEVELS = ("disabled", "basic", "extended", "all")
 
 
@@ -94,7 +95,7 @@ class OrtRunner:
     """
 
     def __init__(self, model, *, providers=None, optimization: str = "all",
-                 threads: int | None = None):
+                 threads: int | None = None, spinning: bool = True):
         ort = import_ort()
         options = ort.SessionOptions()
         options.graph_optimization_level = {
@@ -105,6 +106,8 @@ class OrtRunner:
         }[optimization]
         if threads:
             options.intra_op_num_threads = threads
+        if not spinning:  # threads sleep between runs: leaves the cores to NumPy work
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.log_severity_level = 3
         self.requested_providers = resolve_providers(providers)
         self._tmp = None

@@ -71,6 +71,29 @@ class Moments:
         self._combine(x.shape[0], batch_mean, batch_m2)
         return self
 
+    def update_sums(self, n_b: int, centre: np.ndarray, sums: np.ndarray,
+                    gram: np.ndarray) -> Moments:
+        """Fold in a batch given only its sums around a centre; returns self.
+
+        ``sums`` = Σ (x − centre) ``(d,)`` and ``gram`` = Σ (x − centre)(x − centre)ᵀ
+        ``(d, d)`` over the batch's ``n_b`` rows (e.g. one BLAS ``syrk`` of a centred
+        buffer with a column of ones appended).  With ``centre`` near the batch mean
+        (the running mean is a good choice) nothing cancels; the result equals
+        :meth:`update` on the rows to float64 rounding.  ``full=False`` takes the
+        diagonal of ``gram``.
+        """
+        if n_b <= 0:
+            return self
+        centre = np.asarray(centre, dtype=np.float64)
+        if self.n == 0:
+            self._shift = centre.copy()
+        offset = sums / n_b
+        m2 = gram - np.outer(sums, offset)
+        if not self.full:
+            m2 = np.diag(m2).copy()
+        self._combine(int(n_b), (centre - self._shift) + offset, m2)
+        return self
+
     def merge(self, other: Moments) -> Moments:
         """Fold in another accumulator (e.g. from a data shard); returns self.
 
@@ -185,23 +208,39 @@ class JointMoments:
         return float(self.moments.cov()[-1, -1])
 
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_DRAW_STEP = np.uint64(0xD1B54A32D192ED03)
+
+
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64 finaliser on a uint64 array (wrapping arithmetic): a counter-based hash."""
+    with np.errstate(over="ignore"):
+        z = z + _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
 def draw_positions(
     n_spatial: int, n_positions: int, *, seed: int, sample_indices: Sequence[int]
 ) -> np.ndarray:
     """Flat spatial positions ``(n_images, k)`` to sample, k = min(n_positions, n_spatial).
 
-    Image i's positions are drawn uniformly with replacement from a generator seeded
-    by ``(seed, sample_indices[i])``, so they do not depend on batching.  When
-    ``n_spatial <= n_positions`` every position is taken once, in order (SPEC B1).
+    Position j of image i is a counter-based hash of ``(seed, sample_indices[i], j)``
+    (SplitMix64) mapped uniformly onto ``[0, n_spatial)`` with replacement, so an
+    image gets the same positions whatever batch it arrives in, and the draw is
+    vectorised over the batch.  When ``n_spatial <= n_positions`` every position is
+    taken once, in order (SPEC B1).
     """
     indices = np.asarray(sample_indices, dtype=np.int64).reshape(-1)
     if n_spatial <= n_positions:
         return np.broadcast_to(np.arange(n_spatial), (indices.size, n_spatial))
-    rows = [
-        np.random.default_rng([int(seed), int(i)]).integers(0, n_spatial, size=n_positions)
-        for i in indices
-    ]
-    return np.stack(rows) if rows else np.zeros((0, n_positions), dtype=np.int64)
+    key = _splitmix64(np.array([int(seed) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))
+    per_image = _splitmix64(key ^ indices.astype(np.uint64))[:, None]
+    with np.errstate(over="ignore"):
+        counters = per_image + np.arange(n_positions, dtype=np.uint64) * _DRAW_STEP
+    bits = _splitmix64(counters) >> np.uint64(32)  # 32 uniform bits
+    return ((bits * np.uint64(n_spatial)) >> np.uint64(32)).astype(np.intp)
 
 
 def sample_positions(

@@ -8,6 +8,7 @@ import pytest
 from onnxdiag import model_io
 from onnxdiag.collect import collect_channel_moments, find_analysed_layers, target_margin
 from onnxdiag.data import open_data
+from onnxdiag.errors import OnnxDiagError
 from onnxdiag.graph import analyze_structure
 from onnxdiag.stats import draw_positions
 
@@ -114,3 +115,90 @@ def test_channels_verb_writes_csv_and_flags_pseudo_targets(setup, tmp_path):
     n_channels = sum(la["n_channels"] for la in section["layers"])
     assert len(csv_lines) == 1 + n_channels
     assert csv_lines[0].startswith("layer,channel,")
+
+
+@pytest.mark.parametrize("cuts", [[], [1, 2, 3, 4, 5, 6], [7, 19]])
+def test_fast_fold_equals_moments_on_concatenated_rows(cuts):
+    """The hot loop (gather, syrk around the running mean) equals Moments.update on the
+    explicitly gathered float64 rows with T repeated per position, to 1e-12, for any split."""
+    from onnxdiag.collect import LayerMoments, _fold
+    from onnxdiag.stats import Moments
+
+    rng = np.random.default_rng(9)
+    n, c = 23, 5
+    x = (rng.normal(size=(n, c, 6, 5)) * 3 + 40).astype(np.float32)  # |mean| >> std
+    t, t_null = rng.normal(size=n), rng.normal(size=n)
+    idx = np.arange(n) + 1000
+    acc = LayerMoments("l", c, Moments(c + 2))
+    buffers: dict = {}
+    for part in np.split(np.arange(n), cuts):
+        _fold(acc, x[part], t[part], t_null[part], idx[part], {}, 16, 3, "match", buffers)
+    pos = draw_positions(30, 16, seed=3, sample_indices=idx)
+    rows = x.reshape(n, c, -1)[np.arange(n)[:, None], :, pos].reshape(-1, c)
+    ref = np.column_stack([rows.astype(np.float64), np.repeat(t, 16), np.repeat(t_null, 16)])
+    assert acc.task.n == n * 16 and acc.n_images == n
+    np.testing.assert_allclose(acc.task.mean, ref.mean(axis=0), rtol=1e-14)
+    np.testing.assert_allclose(acc.task.cov(), np.cov(ref, rowvar=False), rtol=1e-12,
+                               atol=1e-12 * np.abs(np.cov(ref, rowvar=False)).max())
+    gap = LayerMoments("l", c, Moments(c + 2), Moments(c))  # gap: local from the samples
+    for part in np.split(np.arange(n), cuts):
+        _fold(gap, x[part], t[part], t_null[part], idx[part], {}, 16, 3, "gap", {})
+    mean, cov = gap.local_moments()
+    np.testing.assert_allclose(mean, ref[:, :c].mean(axis=0), rtol=1e-14)
+    np.testing.assert_allclose(cov, np.cov(ref[:, :c], rowvar=False), rtol=1e-12,
+                               atol=1e-12 * np.abs(cov).max())
+
+
+def test_reused_runner_and_serial_folding_give_identical_moments(setup):
+    from onnxdiag.collect import make_stats_runner
+
+    model, structure, x, y = setup
+    runner = make_stats_runner(model, structure)
+    first, again = _collect(setup, 8, runner=runner), _collect(setup, 8)
+    serial = _collect(setup, 8, runner=runner, overlap=False)  # no worker thread
+    for name, lm in first.layers.items():
+        np.testing.assert_array_equal(lm.task.cov(), again.layers[name].task.cov())
+        np.testing.assert_array_equal(lm.task.cov(), serial.layers[name].task.cov())
+        assert lm.n_images == serial.layers[name].n_images == N
+    assert len(first.layers) > 1
+    one_layer = make_stats_runner(model, structure, layers=[next(iter(first.layers))])
+    with pytest.raises(OnnxDiagError, match="make_stats_runner"):
+        _collect(setup, 8, runner=one_layer)
+
+
+def test_channel_section_summarises_each_layer(setup, tmp_path):
+    """The analyze summary: per layer axis correlations, ARI and the peer-R² extremes,
+    equal to the channels verb's on the same data."""
+    import onnx
+
+    from onnxdiag.channel_report import channel_section, channels_report
+
+    model, structure, x, y = setup
+    source = open_data({"x": x, "labels": y}, model_io.get_input_specs(model), batch_size=8)
+    section, text = channel_section(model, source, structure, model_name="m")
+    assert section["targets"] == "labels" and section["n_images"] == N
+    assert "== Channels" in text and "ARI" in text
+    onnx.save(model, tmp_path / "m.onnx")
+    np.savez(tmp_path / "d.npz", x=x, labels=y)
+    full = channels_report(str(tmp_path / "m.onnx"), data=str(tmp_path / "d.npz"),
+                           batch_size=8, write=False, progress=False).report["channels"]
+    assert [r["layer"] for r in section["layers"]] == [r["layer"] for r in full["layers"]]
+    for row, ref in zip(section["layers"], full["layers"]):
+        assert "scores" not in row
+        for key in ("ari", "input_capture_vs_task_info", "peer_overlap_vs_synergy",
+                    "most_substitutable", "least_substitutable", "n_above_floor"):
+            assert row[key] == ref[key], key
+        r2 = np.asarray(ref["scores"]["scores"]["peer_r2"])
+        np.testing.assert_allclose(row["most_substitutable_r2"], r2[row["most_substitutable"]])
+        assert min(row["most_substitutable_r2"]) >= max(row["least_substitutable_r2"])
+
+
+def test_channel_section_skips_models_without_convs():
+    from onnxdiag.channel_report import channel_section
+
+    model = model_io.load_model(corpus.mlp_head())
+    structure = analyze_structure(model)
+    source = open_data(corpus.random_feeds(model, batch=4), model_io.get_input_specs(model))
+    section, text = channel_section(model, source, structure, targets="expected")
+    assert section["layers"] == [] and "no conv layer" in section["skipped"]
+    assert "skipped" in text

@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 from onnxdiag.errors import DataError
-from onnxdiag.stats import JointMoments, Moments, sample_positions, spatial_mean
+from onnxdiag.stats import (
+    JointMoments,
+    Moments,
+    draw_positions,
+    sample_positions,
+    spatial_mean,
+)
 
 N, D = 301, 6
 
@@ -136,3 +142,40 @@ def test_spatial_mean(maps):
     np.testing.assert_allclose(spatial_mean(maps), maps.astype(np.float64).mean(axis=(2, 3)))
     assert spatial_mean(maps).dtype == np.float64
     assert spatial_mean(maps[:, :, 0, 0]).shape == (10, 3)
+
+
+@pytest.mark.parametrize("name", ["ones", "sevens", "uneven"])
+def test_update_sums_equals_update(data, name):
+    """The syrk fast path (sums and Gram around the running mean) equals update()."""
+    fast = Moments(D)
+    for part in np.split(data, splits(N)[name]):
+        centre = fast.mean if fast.n else part[0]
+        dev = np.column_stack([part - centre, np.ones(len(part))])
+        gram = dev.T @ dev
+        fast.update_sums(len(part), centre, gram[D, :D], gram[:D, :D])
+    assert fast.n == N
+    assert relative(fast.mean, data.mean(axis=0)) < 1e-14
+    assert relative(fast.cov(), np.cov(data, rowvar=False)) < 1e-11
+    diag = Moments(D, full=False).update_sums(N, data[0], (data - data[0]).sum(axis=0),
+                                              (data - data[0]).T @ (data - data[0]))
+    assert relative(diag.var(), data.var(axis=0, ddof=1)) < 1e-9
+
+
+def test_draw_positions_counter_based_and_uniform():
+    """Image i's draw depends only on (seed, index): any subset / order gives the same rows;
+    positions cover [0, n) uniformly (chi-square) and differ across images and seeds."""
+    idx = np.arange(20000) * 3 + 11
+    pos = draw_positions(49, 16, seed=4, sample_indices=idx)
+    assert pos.shape == (20000, 16) and pos.min() >= 0 and pos.max() < 49
+    perm = np.random.default_rng(0).permutation(idx.size)[:500]
+    np.testing.assert_array_equal(draw_positions(49, 16, seed=4, sample_indices=idx[perm]),
+                                  pos[perm])
+    counts = np.bincount(pos.ravel(), minlength=49)
+    expected = pos.size / 49
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert chi2 < 100  # 48 degrees of freedom: P(chi2 > 100) ~ 2e-5
+    assert (pos[1:] != pos[:-1]).any(axis=1).all()
+    other = draw_positions(49, 16, seed=5, sample_indices=idx)
+    assert (pos != other).mean() > 0.9
+    small = draw_positions(9, 16, seed=4, sample_indices=np.arange(3))
+    np.testing.assert_array_equal(small, np.tile(np.arange(9), (3, 1)))
