@@ -176,3 +176,16 @@ def test_allocation_user_errors():
         allocate_sparsity("uniform", infos, 0.9, keep_dense=["c1", "c2", "sc"])
     with pytest.raises(OnnxDiagError, match="cap"):
         allocate_sparsity("rr", infos, 0.995, rr_curves=_curves(infos))
+
+
+def test_lamp_at_its_limit_keeps_exactly_each_layers_largest_weight():
+    infos, weights = _random_layers(7)
+    n = sum(i.n_weights for i in infos)
+    S = (n - len(infos)) / n  # the largest budget LAMP accepts: one weight left per layer
+    S = float(f"{S + 1e-12:.12f}")  # a printable decimal just above (n - L) / n
+    alloc = allocate_sparsity("lamp", infos, S, weights=weights)
+    assert prune_count(n, S) == n - len(infos)
+    masks = make_masks(alloc, weights)
+    for info in infos:
+        w = np.abs(weights[info.name])
+        assert masks[info.name].sum() == 1 and masks[info.name].ravel()[w.argmax()]

@@ -8,6 +8,7 @@ from corpus import (
     conv_bias_add,
     depthwise_pointwise,
     gemm_head,
+    matmul_add_head,
     random_feeds,
     residual_block,
     run_ort,
@@ -170,3 +171,20 @@ def test_rr_uses_one_runtime_pass_and_is_batch_split_invariant(monkeypatch):
     np.testing.assert_allclose(split.d_repair, whole.d_repair, rtol=1e-6, atol=1e-12)
     np.testing.assert_allclose(split.rr, whole.rr, rtol=1e-6)
     assert compute_rr_curves(model, layers[:2], _calibration(model), n_images=6).n_images == 6
+
+
+@pytest.mark.parametrize("build", [residual_block, depthwise_pointwise, gemm_head,
+                                   matmul_add_head])
+def test_gram_and_incremental_strategies_agree(build):
+    """The two exact evaluation schemes (quadratic forms of the column moments vs the
+    removed weights' output grown level by level) give the same curves."""
+    model = load_model(build())
+    layers = _weighted_layers(model)
+    calib = [random_feeds(model, batch=5, seed=i) for i in range(3)]
+    a, b = (compute_rr_curves(model, layers, calib, strategy=s) for s in ("gram", "incremental"))
+    for name in ("d_raw", "d_repair"):
+        np.testing.assert_allclose(getattr(a, name), getattr(b, name), rtol=1e-6, atol=1e-10)
+    np.testing.assert_allclose(a.rr, b.rr, rtol=1e-5)
+    assert a.n_samples == b.n_samples
+    with pytest.raises(Exception, match="Unknown RR strategy"):
+        compute_rr_curves(model, layers, calib, strategy="fast")

@@ -8,6 +8,8 @@
 - :mod:`.repair` (C1): :func:`repair_model` (CR variants, BN recalibration, folded-BN
   affine) → repaired copy + :class:`RepairRecord`.
 - :mod:`.transition` (C4): :func:`agreement`, :func:`transition_band`, :func:`cts`.
+- :mod:`.sweep` (C3–C4): :class:`~.sweep.Pruner` (a dense model prepared once) and
+  :func:`~.sweep.run_sweep` over sparsity × allocation × repair; grid parsing, bands, winners.
 
 No function modifies its input model; edits happen on copies.
 """

@@ -153,7 +153,7 @@ def distortions(acc: PairMoments) -> tuple[float, float]:
 
 def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int = 64,
                       eps: float = 1e-12, providers=None, threads: int | None = None,
-                      label: str | None = None) -> RRCurves:
+                      label: str | None = None, strategy: str = "auto") -> RRCurves:
     """RR curves of ``layers`` (prunable :class:`~onnxdiag.graph.Layer` records) (SPEC C2).
 
     Args:
@@ -161,15 +161,22 @@ def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int
             an iterable of feed dicts; the first ``n_images`` samples are used.
         grid: sparsities (sorted, in [0, 1)); masks are :func:`magnitude_mask` at each s.
 
-    Cost: one ONNX Runtime pass exposing the layers' inputs; per batch, per layer one
-    im2col and one matrix product per grid point.
+    Cost: one ONNX Runtime pass exposing the layers' inputs, then per batch and layer one
+    im2col and either (``strategy``) ``incremental``: the removed weights' output grown
+    level by level (sparse products adding up to one dense evaluation) with per-level
+    moments, or ``gram``: the columns' (K × K) second moments, every level then being
+    quadratic forms of the weights (exact, cheap for small K = C_in/groups·Πkernel).
+    ``auto`` picks per layer by an operation count (:func:`choose_strategy`).
     """
+    if strategy not in STRATEGIES:
+        raise OnnxDiagError(f"Unknown RR strategy {strategy!r}; choose one of "
+                            f"{', '.join(STRATEGIES)}.")
     grid = np.asarray(sorted(float(s) for s in grid))
     layers = list(layers)
     if not layers:
         raise OnnxDiagError("No prunable layers to compute RR curves for.")
     index = GraphIndex(model)
-    plans = [_plan(index, la, grid) for la in layers]
+    plans = [_plan(index, la, grid, strategy) for la in layers]
     inputs = list(dict.fromkeys(la.input for la in layers))
     exposed = [t for t in inputs if t not in index.inputs]
     runner = OrtRunner(expose_tensors(model, exposed) if exposed else model,
@@ -187,6 +194,9 @@ def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int
         seen += take
     if seen == 0:
         raise DataError("The calibration data is empty; give at least one sample.")
+    for plan in plans:
+        if plan["mode"] == "gram":
+            _finish_gram(plan)
     d = np.array([[distortions(acc) for acc in plan["acc"]] for plan in plans])
     d_raw, d_rep = d[..., 0], d[..., 1]
     return RRCurves(tuple(la.node_name for la in layers), grid, d_raw, d_rep,
@@ -194,13 +204,37 @@ def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int
                     tuple(p["acc"][0].n for p in plans), eps)
 
 
-def _plan(index: GraphIndex, layer, grid) -> dict:
+STRATEGIES = ("auto", "incremental", "gram")
+#: ``gram`` keeps groups·K² float64 per layer; above this many entries ``auto`` never picks it.
+GRAM_MAX_ENTRIES = 4_000_000
+#: Measured on 2 CPU cores (benchmarks/bench_rr.py): BLAS Gram work runs ~8x faster per
+#: operation than the sparse increments and per-level moments.
+GRAM_SPEED = 8
+
+
+def choose_strategy(n_out: int, k: int, groups: int, n_levels: int) -> str:
+    """``gram`` when its per-sample work groups·K² (a multi-threaded BLAS product) is at most
+    ``GRAM_SPEED`` times the incremental one, n_out·(K + 3·n_levels) (single-threaded sparse
+    products plus per-level moments), and its groups·K² accumulator fits GRAM_MAX_ENTRIES."""
+    gram = groups * k * k
+    if gram > GRAM_MAX_ENTRIES:
+        return "incremental"
+    return "gram" if gram <= GRAM_SPEED * n_out * (k + 3 * n_levels) else "incremental"
+
+
+def _plan(index: GraphIndex, layer, grid, strategy: str = "auto") -> dict:
     """Per layer: its op, dense matrix, the weights removed between consecutive grid points
-    (sparse, rows = output channels, columns = column features), and accumulators."""
+    (sparse, rows = output channels, columns = column features), and accumulators; or, for
+    the ``gram`` strategy, the removed weights per level and the column moments."""
     w = np.asarray(index.get_constant(layer.weight), dtype=np.float32)
     op = layer_op(index, layer)
     order = magnitude_order(w)
     rows, cols, n_cols = _coordinates(op, w.shape, order)
+    groups = op.groups if op.kind == "conv" else 1
+    if strategy == "auto":
+        strategy = choose_strategy(layer.n_out, n_cols // groups, groups, len(grid))
+    if strategy == "gram":
+        return _gram_plan(op, w, order, rows, cols, n_cols, groups, grid, layer.n_out)
     values = w.ravel()[order]
     steps, previous = [], w.size
     for s in grid:
@@ -209,8 +243,63 @@ def _plan(index: GraphIndex, layer, grid) -> dict:
         steps.append(None if kept >= previous else sparse.csr_matrix(
             (values[part], (rows[part], cols[part])), shape=(layer.n_out, n_cols)))
         previous = min(previous, kept)
-    return {"op": op, "kernel": tuple(w.shape[2:]), "dense": weight_matrix(op, w),
-            "steps": steps, "n": int(w.size), "acc": [PairMoments(layer.n_out) for _ in grid]}
+    return {"mode": "incremental", "op": op, "kernel": tuple(w.shape[2:]),
+            "dense": weight_matrix(op, w), "steps": steps, "n": int(w.size),
+            "acc": [PairMoments(layer.n_out) for _ in grid]}
+
+
+def _gram_plan(op, w, order, rows, cols, n_cols, groups, grid, n_out) -> dict:
+    """Dense per-channel weight rows (C, K) in column order, the removed rows per level
+    (n_levels, C, K), float64; accumulators of the shifted column moments per group."""
+    k = n_cols // groups
+    dense = np.zeros((n_out, k))
+    values = w.ravel()[order].astype(np.float64)
+    dense[rows, cols % k] = values
+    removed = np.zeros((len(grid), n_out, k))
+    for j, s in enumerate(grid):
+        kept = w.size - prune_count(w.size, s)
+        removed[j, rows[kept:], cols[kept:] % k] = values[kept:]
+    return {"mode": "gram", "op": op, "kernel": tuple(w.shape[2:]), "n": int(w.size),
+            "groups": groups, "group_of": np.arange(n_out) // (n_out // groups),
+            "dense_rows": dense, "removed_rows": removed, "shift": None,
+            "gram": np.zeros((groups, k, k)), "sums": np.zeros((groups, k)), "count": 0,
+            "acc": [PairMoments(n_out) for _ in grid]}
+
+
+def _fold_gram(plan: dict, x: np.ndarray) -> None:
+    """One batch: Σ (col − shift)(col − shift)ᵀ per group (float64 BLAS) and column sums;
+    the shift (the first batch's column means) keeps the final subtraction well conditioned."""
+    cols, _ = layer_columns(plan["op"], x, plan["kernel"])
+    cols = np.asarray(cols, dtype=np.float64)
+    if plan["shift"] is None:
+        plan["shift"] = cols.mean(axis=0)
+    cols -= plan["shift"]
+    for g in range(plan["groups"]):
+        c = np.ascontiguousarray(cols[:, g, :])
+        plan["gram"][g] += np.dot(c.T, c)  # np.dot uses the symmetric rank-k update
+    plan["sums"] += cols.sum(axis=0)
+    plan["count"] += cols.shape[0]
+
+
+def _finish_gram(plan: dict) -> None:
+    """Fill each level's PairMoments from the column covariance Σ and mean μ (SPEC C2 moments
+    of a = y^d = Wx and b = y^d − y^p = W_r x are quadratic forms: Var a = wᵀΣw, …)."""
+    n = plan["count"]
+    centred = plan["sums"] / n
+    cov = plan["gram"] / n - np.einsum("gi,gj->gij", centred, centred)
+    mean = centred + plan["shift"]
+    grp = plan["group_of"]
+    w = plan["dense_rows"]
+    sw = np.einsum("cij,cj->ci", cov[grp], w)
+    var_d = np.einsum("ci,ci->c", w, sw)
+    for acc, wr in zip(plan["acc"], plan["removed_rows"]):
+        swr = np.einsum("cij,cj->ci", cov[grp], wr)
+        acc.n = n
+        acc.s_aa = n * var_d
+        acc.s_bb = n * np.einsum("ci,ci->c", wr, swr)
+        acc.s_ab = n * np.einsum("ci,ci->c", w, swr)
+        acc.mean_a = np.einsum("ci,ci->c", w, mean[grp])
+        acc.mean_b = np.einsum("ci,ci->c", wr, mean[grp])
 
 
 def _coordinates(op, shape, flat) -> tuple[np.ndarray, np.ndarray, int]:
@@ -226,6 +315,9 @@ def _coordinates(op, shape, flat) -> tuple[np.ndarray, np.ndarray, int]:
 def _fold_layer(plan: dict, x: np.ndarray) -> None:
     """One batch: y^d once, then y^d − y^p (the removed weights' output) grown step by step
     over the grid, so all s together cost about one more dense evaluation."""
+    if plan["mode"] == "gram":
+        _fold_gram(plan, x)
+        return
     cols, _ = layer_columns(plan["op"], x, plan["kernel"])
     dense = centre_rows(apply_columns(cols, plan["dense"]).T)
     cols_t = np.ascontiguousarray(cols.reshape(cols.shape[0], -1).T)

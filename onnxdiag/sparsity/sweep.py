@@ -1,0 +1,331 @@
+"""Prune and repair a dense model over a grid of global sparsities (SPEC C3–C4).
+
+:class:`Pruner` prepares the dense model once (prunable layers, weights, the
+calibration set in memory, the dense predictions on it); each cell of a sweep is
+then allocate → magnitude masks → repair → predictions.  ``Agr_X(S)``: the
+fraction of calibration images whose top-1 after pruning to S and repair X equals
+the dense model's (label-free); with labelled data, also top-1 accuracy and loss.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+
+import numpy as np
+
+from ..errors import DataError, OnnxDiagError
+from ..instrument import expose_tensors
+from ..runner import OrtRunner
+from .allocation import RULES, allocate_sparsity
+from .masks import describe_layers, find_prunable, make_masks, read_weights
+from .repair import METHODS, repair_model
+from .transition import cts, cts_band, transition_band
+
+#: Most grid points a sparsity specification may expand to (guards against typos).
+MAX_GRID_POINTS = 1000
+#: SPEC C4 label-free band: the repair whose agreement defines it, and the one CTS compares.
+BAND_REPAIR, CTS_BASELINE = "cr+bn", "bn"
+
+
+def parse_sparsity_grid(spec) -> tuple[float, ...]:
+    """Sparsities from ``"0.90:0.97:0.005"`` (start:stop:step, stop included), ``"0.9,0.95"``
+    (pieces may mix both forms) or a number / list of numbers; sorted, unique, in [0, 1).
+
+    Steps are exact decimals, so 0.90:0.97:0.005 gives 15 points without float drift.
+
+    Raises:
+        OnnxDiagError: a malformed piece, a value outside [0, 1), or too many points.
+    """
+    if isinstance(spec, (int, float)):
+        spec = [spec]
+    pieces = [p.strip() for p in spec.split(",")] if isinstance(spec, str) else list(spec)
+    values: set[Decimal] = set()
+    for piece in pieces:
+        if isinstance(piece, str) and ":" in piece:
+            values |= _expand_range(piece, spec)
+        else:
+            values.add(_decimal(piece, spec))
+    if not values:
+        raise OnnxDiagError(f"Sparsity grid {spec!r} is empty; give e.g. 0.90:0.97:0.005.")
+    bad = [v for v in values if not 0 <= v < 1]
+    if bad:
+        raise OnnxDiagError(f"Sparsity {bad[0]} in {spec!r} is outside [0, 1); give fractions "
+                            "such as 0.95 for 95 % of the prunable weights removed.")
+    return tuple(float(v) for v in sorted(values))
+
+
+def _decimal(text, spec) -> Decimal:
+    try:
+        value = Decimal(str(text).strip())
+    except InvalidOperation:
+        raise OnnxDiagError(f"Sparsity grid {spec!r}: {text!r} is not a number; give e.g. "
+                            "0.90:0.97:0.005 or 0.9,0.95.") from None
+    if not value.is_finite():
+        raise OnnxDiagError(f"Sparsity grid {spec!r}: {text!r} is not a finite number.")
+    return value
+
+
+def _expand_range(piece: str, spec) -> set[Decimal]:
+    parts = piece.split(":")
+    if len(parts) != 3:
+        raise OnnxDiagError(f"Sparsity range {piece!r} needs start:stop:step, e.g. "
+                            "0.90:0.97:0.005.")
+    start, stop, step = (_decimal(p, spec) for p in parts)
+    if step <= 0 or stop < start:
+        raise OnnxDiagError(f"Sparsity range {piece!r} needs step > 0 and stop >= start.")
+    n = int((stop - start) / step) + 1
+    if n > MAX_GRID_POINTS:
+        raise OnnxDiagError(f"Sparsity range {piece!r} has {n} points (at most "
+                            f"{MAX_GRID_POINTS}); use a larger step.")
+    return {start + i * step for i in range(n)}
+
+
+def parse_choices(spec, known: Sequence[str], what: str, *, all_means=None) -> list[str]:
+    """Names from ``"a,b"`` (or a list); ``"all"`` gives ``all_means`` (default ``known``).
+
+    Raises OnnxDiagError naming an unknown choice and listing the known ones.
+    """
+    if isinstance(spec, str):
+        if spec.strip() == "all":
+            return list(all_means or known)
+        spec = [p.strip() for p in spec.split(",") if p.strip()]
+    names = list(dict.fromkeys(spec))
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise OnnxDiagError(f"Unknown {what} {unknown[0] if unknown else '(none)'!r}; choose "
+                            f"from {', '.join(known)} (comma-separated) or 'all'.")
+    return names
+
+
+def materialize(source, n_images: int | None = None) -> list[dict]:
+    """The first ``n_images`` samples (all when None) of a DataSource or iterable of feed
+    dicts, as a list of feed dicts held in memory."""
+    feeds_iter = (b.feeds for b in source.batches()) if hasattr(source, "batches") else source
+    out, seen = [], 0
+    for feeds in feeds_iter:
+        n = int(np.shape(next(iter(feeds.values())))[0])
+        take = n if n_images is None else min(n, n_images - seen)
+        if take <= 0:
+            break
+        out.append({k: np.asarray(v)[:take] for k, v in feeds.items()})
+        seen += take
+    if seen == 0:
+        raise DataError("The calibration data is empty; give at least one sample.")
+    return out
+
+
+def logits_runner(model, head, *, providers=None, threads=None) -> OrtRunner:
+    """A session that outputs the head's logits tensor (exposed on a copy when needed)."""
+    outputs = {o.name for o in model.graph.output}
+    m = model if head.logits in outputs else expose_tensors(model, [head.logits])
+    return OrtRunner(m, providers=providers, threads=threads)
+
+
+def run_logits(runner: OrtRunner, head, batches: Iterable[dict]) -> np.ndarray:
+    """Head logits ``(n_samples, n_classes)`` float64 over feed dicts."""
+    parts = [runner.run(feeds, [head.logits])[head.logits] for feeds in batches]
+    return np.concatenate([np.asarray(p, np.float64).reshape(p.shape[0], -1) for p in parts])
+
+
+def evaluate_logits(runner: OrtRunner, head, source) -> dict:
+    """Top-1 accuracy and cross-entropy on a labelled DataSource (streamed)."""
+    from ..probe import EvalAccumulator
+
+    if not source.has_labels:
+        raise DataError("--eval-data has no labels; evaluation needs labelled data (an npz "
+                        "with a 'labels' key, --eval-labels FILE, or class sub-folders).")
+    acc = EvalAccumulator()
+    for batch in source.batches():
+        acc.update(run_logits(runner, head, [batch.feeds]), batch.labels)
+    return acc.result().to_dict()
+
+
+@dataclass
+class Pruner:
+    """A dense model prepared for pruning (never modified).
+
+    Args:
+        model, structure: the dense model and its :func:`~onnxdiag.graph.analyze_structure`.
+        calib: calibration feed dicts (:func:`materialize`), used by every repair and for
+            the agreement with the dense model.
+        keep_dense: layer names left dense; rr_curves: needed by the ``rr*`` rules.
+        options: allocation settings (prior, gamma, cap, force_projection, step).
+        alpha_cap, recalibrate: repair settings (SPEC C1).
+    """
+
+    model: object
+    structure: object
+    calib: list
+    keep_dense: tuple = ()
+    rr_curves: object = None
+    options: dict = field(default_factory=dict)
+    alpha_cap: float = 100.0
+    recalibrate: str = "affected"
+    providers: object = None
+    threads: int | None = None
+
+    def __post_init__(self):
+        self.keep_dense = tuple(self.keep_dense)
+        self.layers = find_prunable(self.structure, self.keep_dense)
+        if not self.layers:
+            raise OnnxDiagError("The model has no prunable layer (Conv, or a Gemm / MatMul "
+                                "head); `onnxdiag inspect MODEL` shows its layers.")
+        self.infos = describe_layers(self.model, self.layers)
+        self.weights = read_weights(self.model, self.layers)
+        self.head = self.structure.head
+        dense = self.logits(self.model)
+        self.dense_pred = dense.argmax(axis=1)
+
+    @property
+    def n_images(self) -> int:
+        return int(sum(np.shape(next(iter(f.values())))[0] for f in self.calib))
+
+    def allocate(self, rule: str, S: float):
+        """The :class:`~onnxdiag.sparsity.Allocation` of ``rule`` at ``S``."""
+        return allocate_sparsity(rule, self.infos, S, rr_curves=self.rr_curves,
+                                 weights=self.weights, keep_dense=self.keep_dense,
+                                 **self.options)
+
+    def prune(self, allocation, method: str, *, masks=None):
+        """(repaired pruned model, RepairRecord) for an allocation and a repair method."""
+        masks = make_masks(allocation, self.weights) if masks is None else masks
+        return repair_model(self.model, self.structure, masks, self.calib, method=method,
+                            alpha_cap=self.alpha_cap, recalibrate=self.recalibrate,
+                            providers=self.providers, threads=self.threads)
+
+    def logits(self, model, runner=None) -> np.ndarray:
+        """Head logits of ``model`` on the calibration set."""
+        runner = runner or logits_runner(model, self.head, providers=self.providers,
+                                         threads=self.threads)
+        return run_logits(runner, self.head, self.calib)
+
+    def agreement(self, model, runner=None) -> float:
+        """Agr: fraction of calibration images with the dense model's top-1 (SPEC C4)."""
+        return float(np.mean(self.logits(model, runner).argmax(axis=1) == self.dense_pred))
+
+    def measure(self, model, eval_source=None) -> tuple[float, dict | None]:
+        """(agreement on the calibration set, accuracy / loss on ``eval_source`` or None)."""
+        runner = logits_runner(model, self.head, providers=self.providers,
+                               threads=self.threads)
+        ev = None if eval_source is None else evaluate_logits(runner, self.head, eval_source)
+        return self.agreement(model, runner), ev
+
+
+@dataclass(frozen=True)
+class SweepCell:
+    """One (S, allocation, repair) of a sweep; ``error`` is set when the rule cannot meet S
+    (the other fields are then None).  ``layer_sparsity``: the allocation per layer."""
+
+    sparsity: float
+    allocation: str
+    repair: str
+    agreement: float | None = None
+    accuracy: float | None = None
+    loss: float | None = None
+    seconds: float = 0.0
+    error: str | None = None
+    layer_sparsity: dict | None = None
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def run_sweep(pruner: Pruner, grid: Sequence[float], rules: Sequence[str],
+              methods: Sequence[str], *, eval_source=None,
+              on_cell: Callable[[SweepCell, int, int], None] | None = None) -> list[SweepCell]:
+    """Every (S, rule, method) cell: one allocation and mask set per (S, rule), one repair
+    per method.  A rule that cannot meet S yields cells with ``error`` (not an exception)."""
+    for rule in rules:
+        if rule not in RULES:
+            raise OnnxDiagError(f"Unknown allocation {rule!r}; choose from {', '.join(RULES)}.")
+    for method in methods:
+        if method not in METHODS:
+            raise OnnxDiagError(f"Unknown repair {method!r}; choose from {', '.join(METHODS)}.")
+    cells, total = [], len(grid) * len(rules) * len(methods)
+    for S in grid:
+        for rule in rules:
+            t0 = time.perf_counter()
+            try:
+                alloc = pruner.allocate(rule, S)
+            except OnnxDiagError as exc:
+                for method in methods:
+                    cells.append(SweepCell(float(S), rule, method, error=str(exc)))
+                    if on_cell:
+                        on_cell(cells[-1], len(cells), total)
+                continue
+            masks = make_masks(alloc, pruner.weights)
+            spent = time.perf_counter() - t0
+            for method in methods:
+                t0 = time.perf_counter()
+                model, _ = pruner.prune(alloc, method, masks=masks)
+                agr, ev = pruner.measure(model, eval_source)
+                cells.append(SweepCell(
+                    float(S), rule, method, agreement=agr,
+                    accuracy=None if ev is None else ev["accuracy"],
+                    loss=None if ev is None else ev["loss"],
+                    seconds=spent + time.perf_counter() - t0,
+                    layer_sparsity=dict(alloc.sparsity)))
+                spent = 0.0
+                if on_cell:
+                    on_cell(cells[-1], len(cells), total)
+    return cells
+
+
+def curve(cells: Sequence[SweepCell], rule: str, method: str, metric: str = "agreement"
+          ) -> tuple[np.ndarray, np.ndarray]:
+    """(S grid, values) of one allocation and repair, skipping failed cells."""
+    pts = [(c.sparsity, getattr(c, metric)) for c in cells
+           if c.allocation == rule and c.repair == method and getattr(c, metric) is not None]
+    pts.sort()
+    return np.array([p[0] for p in pts]), np.array([p[1] for p in pts], dtype=np.float64)
+
+
+def transition_summary(cells: Sequence[SweepCell], rule: str, methods: Sequence[str], *,
+                       hi: float = 0.9, lo: float = 0.5) -> dict:
+    """Label-free transition of one allocation (SPEC C4): the agreement band of the
+    ``cr+bn`` curve (else of the first repair, named in ``repair``), and CTS with its
+    half-max band when both ``cr+bn`` and ``bn`` were run."""
+    band_method = BAND_REPAIR if BAND_REPAIR in methods else methods[0]
+    S, agr = curve(cells, rule, band_method)
+    out = {"allocation": rule, "repair": band_method, "band": None, "cts": None,
+           "cts_band": None}
+    if S.size:
+        out["band"] = transition_band(S, agr, hi=hi, lo=lo).to_dict()
+    if BAND_REPAIR in methods and CTS_BASELINE in methods:
+        S1, a = curve(cells, rule, BAND_REPAIR)
+        S2, b = curve(cells, rule, CTS_BASELINE)
+        common = np.intersect1d(S1, S2)
+        if common.size:
+            values = cts(a[np.isin(S1, common)], b[np.isin(S2, common)])
+            out["cts"] = {"sparsity": common.tolist(), "values": values.tolist()}
+            out["cts_band"] = cts_band(common, values).to_dict()
+    return out
+
+
+def winners(cells: Sequence[SweepCell], method: str, metric: str, *, tol: float = 0.0
+            ) -> dict[float, list[str]]:
+    """{S: allocations within ``tol`` of the best ``metric`` (higher is better)}."""
+    out: dict[float, list[str]] = {}
+    for S in sorted({c.sparsity for c in cells}):
+        row = {c.allocation: getattr(c, metric) for c in cells
+               if c.sparsity == S and c.repair == method and getattr(c, metric) is not None}
+        if row:
+            best = max(row.values())
+            out[S] = [r for r, v in row.items() if v >= best - tol]
+    return out
+
+
+def ranges(points: Sequence[float], grid: Sequence[float]) -> list[tuple[float, float]]:
+    """``points`` (a subset of ``grid``) as maximal runs of consecutive grid points."""
+    grid = sorted(grid)
+    pos = sorted(grid.index(p) for p in points)
+    runs: list[tuple[float, float]] = []
+    for i in pos:
+        if runs and grid.index(runs[-1][1]) == i - 1:
+            runs[-1] = (runs[-1][0], grid[i])
+        else:
+            runs.append((grid[i], grid[i]))
+    return runs

@@ -1,0 +1,270 @@
+"""SPEC C verbs as a library: grids, RR report, emitted pruned models, sweeps, bands."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import onnx
+import pytest
+from corpus import conv_bn_folded, residual_block, run_ort
+
+from onnxdiag.errors import OnnxDiagError
+from onnxdiag.graph import analyze_structure
+from onnxdiag.model_io import file_hash, load_model, model_hash
+from onnxdiag.sparse_report import (
+    prune_report_sparse,
+    repairability_section,
+    rr_report,
+    sweep_report,
+)
+from onnxdiag.sparsity import (
+    METHODS,
+    RULES,
+    allocate_sparsity,
+    describe_layers,
+    find_prunable,
+    make_masks,
+    read_weights,
+    repair_model,
+)
+from onnxdiag.sparsity.sweep import (
+    SweepCell,
+    parse_choices,
+    parse_sparsity_grid,
+    ranges,
+    transition_summary,
+    winners,
+)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A residual corpus model on disk with 48 calibration and 40 labelled eval images."""
+    d = tmp_path_factory.mktemp("sparse")
+    rng = np.random.default_rng(0)
+    paths = {}
+    for name, build in (("res", residual_block), ("folded", conv_bn_folded)):
+        paths[name] = d / f"{name}.onnx"
+        onnx.save(build(), paths[name])
+    np.savez(d / "calib.npz", x=rng.standard_normal((48, 3, 8, 8)).astype(np.float32))
+    np.savez(d / "eval.npz", x=rng.standard_normal((40, 3, 8, 8)).astype(np.float32),
+             labels=rng.integers(0, 5, 40))
+    paths.update(calib=d / "calib.npz", eval=d / "eval.npz", dir=d)
+    return paths
+
+
+def _logits(model, path):
+    x = np.load(path)["x"]
+    return run_ort(model, {"x": x})["logits"]
+
+
+# -- grids and choices ----------------------------------------------------------------------
+def test_sparsity_grid_is_exact_decimal_and_inclusive():
+    grid = parse_sparsity_grid("0.90:0.97:0.005")
+    assert len(grid) == 15 and grid[0] == 0.9 and grid[-1] == 0.97
+    assert grid[7] == 0.935  # no float drift: 0.90 + 7 * 0.005 prints as 0.935
+    assert parse_sparsity_grid("0.95,0.5:0.7:0.1,0.5") == (0.5, 0.6, 0.7, 0.95)
+    assert parse_sparsity_grid(0.9) == (0.9,)
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("0.9:0.97", "start:stop:step"), ("0.97:0.9:0.01", "stop >= start"),
+    ("0.9,abc", "not a number"), ("1.0", "outside [0, 1)"), ("0:0.9:0.00001", "at most"),
+    ("0.9:0.95:0", "step > 0"),
+])
+def test_sparsity_grid_errors(spec, fragment):
+    with pytest.raises(OnnxDiagError, match=re.escape(fragment)):
+        parse_sparsity_grid(spec)
+
+
+def test_choices_all_and_unknown():
+    assert parse_choices("all", RULES, "allocation") == list(RULES)
+    assert parse_choices("cr+bn, bn", METHODS, "repair") == ["cr+bn", "bn"]
+    with pytest.raises(OnnxDiagError, match="Unknown repair 'crbn'"):
+        parse_choices("cr+bn,crbn", METHODS, "repair")
+
+
+def test_ranges_and_winners():
+    grid = [0.1, 0.2, 0.3, 0.4, 0.5]
+    assert ranges([0.1, 0.2, 0.4], grid) == [(0.1, 0.2), (0.4, 0.4)]
+    cells = [SweepCell(0.1, "erk", "bn", accuracy=0.5), SweepCell(0.1, "rr", "bn", accuracy=0.6),
+             SweepCell(0.2, "erk", "bn", accuracy=0.4), SweepCell(0.2, "rr", "bn", accuracy=0.4),
+             SweepCell(0.3, "rr", "bn", error="cannot")]
+    assert winners(cells, "bn", "accuracy") == {0.1: ["rr"], 0.2: ["erk", "rr"]}
+
+
+def test_transition_summary_cts_only_with_both_repairs():
+    cells = [SweepCell(S, "rr", m, agreement=a)
+             for S, a_crbn, a_bn in [(0.1, 1.0, 1.0), (0.2, 0.8, 0.6), (0.3, 0.4, 0.4)]
+             for m, a in (("cr+bn", a_crbn), ("bn", a_bn))]
+    both = transition_summary(cells, "rr", ["cr+bn", "bn"])
+    assert both["band"]["start"] == pytest.approx(0.15) and both["band"]["end"] == \
+        pytest.approx(0.275)
+    np.testing.assert_allclose(both["cts"]["values"], [0.0, 0.5, 0.0], atol=1e-7)
+    assert both["cts_band"]["start"] == both["cts_band"]["end"] == 0.2
+    only = transition_summary(cells, "rr", ["bn"])
+    assert only["repair"] == "bn" and only["cts"] is None
+
+
+# -- rr ---------------------------------------------------------------------------------------
+def test_rr_report_curves_table_csv_and_band(files, tmp_path):
+    out = tmp_path / "rr"
+    res = rr_report(str(files["res"]), data=str(files["calib"]), band_sparsity="0.3,0.6,0.9",
+                    rr_images=16, out=out, progress=False)
+    sec = res.report["repairability"]
+    model = load_model(files["res"])
+    names = [la.node_name for la in find_prunable(analyze_structure(model))]
+    assert sec["curves"]["layers"] == tuple(names) or list(sec["curves"]["layers"]) == names
+    rr = np.array(sec["curves"]["rr"])
+    assert rr.shape == (len(names), 28) and np.allclose(rr[:, 0], 1.0)  # RR(l, 0) = 1
+    assert np.allclose(np.array(sec["curves"]["d_raw"])[:, 0], 0.0)
+    csv_lines = (out / "rr_curves.csv").read_text().strip().splitlines()
+    assert csv_lines[0] == "layer,sparsity,d_raw,d_repair,rr" and len(csv_lines) == 1 + rr.size
+    tr = sec["transition"]
+    assert [c["sparsity"] for c in tr["cells"]] == [0.3, 0.3, 0.6, 0.6, 0.9, 0.9]
+    assert tr["cts"] is not None and "predicted transition band" in res.text
+    assert {"report.json", "report.txt", "transition.csv"} <= {p.name for p in out.iterdir()}
+
+
+def test_rr_report_validates_before_work(files, tmp_path):
+    with pytest.raises(OnnxDiagError, match="keep_dense|--keep-dense"):
+        rr_report(str(files["res"]), data=str(files["calib"]), keep_dense=["nope"],
+                  write=False, progress=False)
+    with pytest.raises(OnnxDiagError, match="outside"):
+        rr_report(str(files["res"]), data=str(files["calib"]), band_sparsity="2",
+                  write=False, progress=False)
+
+
+# -- prune ------------------------------------------------------------------------------------
+def test_prune_emits_a_checked_reloadable_model_with_sidecar(files, tmp_path):
+    before = file_hash(files["res"])
+    out = tmp_path / "pruned.onnx"
+    res = prune_report_sparse(str(files["res"]), output=out, sparsity=0.8, allocation="rr",
+                              repair="cr+bn", data=str(files["calib"]),
+                              eval_data=str(files["eval"]), keep_dense=["head"], rr_images=16,
+                              write=False, progress=False)
+    assert file_hash(files["res"]) == before  # the input is never modified
+    emitted = onnx.load(out)
+    onnx.checker.check_model(emitted, full_check=True)
+    side = json.loads((out.parent / "pruned.onnx.json").read_text())
+    assert side["dense_model_sha256"] == model_hash(load_model(files["res"]))
+    assert side["emitted"]["sha256"] == model_hash(emitted)
+    assert side["n_pruned"] == int(0.8 * side["n_weights"])
+    assert side["layer_sparsity"]["head"] == 0.0 and side["keep_dense"] == ["head"]
+    assert side["repair"]["method"] == "cr+bn" and side["repair"]["bns"]
+    assert side["allocation"]["prior"]["rule"] == "erk"
+    assert 0 <= side["agreement_with_dense"]["top1_agreement"] <= 1
+    assert side["accuracy_pruned"]["n_samples"] == 40 and side["latency_cpu"]["pruned_ms"]["1"] > 0
+    # the file's weights are zero exactly where the allocation says, per layer
+    init = {t.name: onnx.numpy_helper.to_array(t) for t in emitted.graph.initializer}
+    w = init[[n for n in emitted.graph.node if n.name == "c4"][0].input[1]]
+    assert np.mean(w == 0) == pytest.approx(side["layer_sparsity"]["c4"])
+    # the sidecar's agreement is the file's, recomputed with a plain ORT session
+    agr = np.mean(_logits(emitted, files["calib"]).argmax(1) ==
+                  _logits(load_model(files["res"]), files["calib"]).argmax(1))
+    assert side["agreement_with_dense"]["top1_agreement"] == pytest.approx(agr)
+    assert "agreement with the dense model" in res.text
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_sparsity_zero_with_any_repair_emits_the_dense_outputs(files, tmp_path, method):
+    out = tmp_path / f"{method}.onnx"
+    prune_report_sparse(str(files["res"]), output=out, sparsity=0.0, allocation="erk",
+                        repair=method, data=str(files["calib"]), write=False, progress=False)
+    dense = _logits(load_model(files["res"]), files["calib"])
+    np.testing.assert_allclose(_logits(onnx.load(out), files["calib"]), dense, atol=1e-5)
+    assert json.loads((tmp_path / f"{method}.onnx.json").read_text())[
+        "agreement_with_dense"]["top1_agreement"] == 1.0
+
+
+def test_sparse_initializers_are_smaller_and_equal(files, tmp_path):
+    common = dict(sparsity=0.9, allocation="uniform", repair="cr+bn", data=str(files["calib"]),
+                  write=False, progress=False)
+    prune_report_sparse(str(files["folded"]), output=tmp_path / "d.onnx", **common)
+    prune_report_sparse(str(files["folded"]), output=tmp_path / "s.onnx",
+                        sparse_initializers=True, **common)
+    dense, sparse = onnx.load(tmp_path / "d.onnx"), onnx.load(tmp_path / "s.onnx")
+    assert len(sparse.graph.sparse_initializer) >= 1 and not dense.graph.sparse_initializer
+    assert (tmp_path / "s.onnx").stat().st_size < (tmp_path / "d.onnx").stat().st_size
+    onnx.checker.check_model(sparse)
+    x = {"x": np.load(files["calib"])["x"]}
+    import onnxruntime as ort
+
+    runs = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+            .run(None, x)[0] for m in (dense, sparse)]
+    np.testing.assert_allclose(runs[0], runs[1], atol=1e-5)
+    side = json.loads((tmp_path / "s.onnx.json").read_text())
+    assert side["storage"]["format"] == "sparse_initializer"
+
+
+def test_prune_refuses_bad_outputs_before_any_work(files, tmp_path):
+    with pytest.raises(OnnxDiagError, match="never overwrites an input"):
+        prune_report_sparse(str(files["res"]), output=files["res"], sparsity=0.5,
+                            data=str(files["calib"]), write=False, progress=False)
+    existing = tmp_path / "x.onnx"
+    existing.write_bytes(b"keep")
+    with pytest.raises(OnnxDiagError, match="already exists.*--overwrite"):
+        prune_report_sparse(str(files["res"]), output=existing, sparsity=0.5,
+                            data=str(files["calib"]), write=False, progress=False)
+    assert existing.read_bytes() == b"keep"
+    with pytest.raises(OnnxDiagError, match="Unknown allocation"):
+        prune_report_sparse(str(files["res"]), output=tmp_path / "y.onnx", sparsity=0.5,
+                            allocation="magic", data=str(files["calib"]), write=False)
+    assert not (tmp_path / "y.onnx").exists()
+
+
+# -- sweep ------------------------------------------------------------------------------------
+def test_sweep_cells_agree_with_an_independent_prune_and_run(files, tmp_path):
+    res = sweep_report(str(files["res"]), sparsity="0,0.5,0.85", allocations="erk,lamp,rr",
+                       repairs="cr+bn,bn,none", data=str(files["calib"]),
+                       eval_data=str(files["eval"]), rr_images=16, out=tmp_path / "sw",
+                       progress=False)
+    sec = res.report["sweep"]
+    assert len(sec["cells"]) == 3 * 3 * 3 and sec["metric"] == "accuracy"
+    at0 = [c for c in sec["cells"] if c["sparsity"] == 0.0]
+    assert all(c["agreement"] == 1.0 and c["accuracy"] == sec["dense"]["accuracy"] for c in at0)
+    # oracle: the LAMP / bn cell at 0.85 recomputed from the library pieces and plain ORT
+    m = load_model(files["res"])
+    st = analyze_structure(m)
+    layers = find_prunable(st)
+    w = read_weights(m, layers)
+    alloc = allocate_sparsity("lamp", describe_layers(m, layers), 0.85, weights=w)
+    x = np.load(files["calib"])["x"]
+    repaired, _ = repair_model(m, st, make_masks(alloc, w), [{"x": x}], method="bn")
+    agr = np.mean(_logits(repaired, files["calib"]).argmax(1) ==
+                  _logits(m, files["calib"]).argmax(1))
+    cell = [c for c in sec["cells"] if (c["sparsity"], c["allocation"], c["repair"]) ==
+            (0.85, "lamp", "bn")][0]
+    assert cell["agreement"] == pytest.approx(agr)
+    ev = np.load(files["eval"])
+    acc = np.mean(run_ort(repaired, {"x": ev["x"]})["logits"].argmax(1) == ev["labels"])
+    assert cell["accuracy"] == pytest.approx(acc)
+    assert set(sec["transitions"]) == {"erk", "lamp", "rr"} and "rr-erk" in sec["rr_versus"]
+    assert "== top-1 % after repair cr+bn" in res.text and "Where each allocation wins" in res.text
+    assert (tmp_path / "sw" / "sweep.csv").read_text().count("\n") == 28
+
+
+def test_sweep_reports_a_rule_that_cannot_meet_S_and_goes_on(files):
+    res = sweep_report(str(files["res"]), sparsity="0.5,0.999", allocations="lamp,uniform",
+                       repairs="none", data=str(files["calib"]), write=False, progress=False)
+    cells = res.report["sweep"]["cells"]
+    assert [c["error"] is None for c in cells] == [True, True, False, True]
+    assert "skipped cells" in res.text and res.report["sweep"]["metric"] == "agreement"
+
+
+# -- analyze section --------------------------------------------------------------------------
+def test_repairability_section_rows_and_suggested_allocation(files):
+    from onnxdiag.data import open_data
+    from onnxdiag.model_io import get_input_specs
+
+    m = load_model(files["res"])
+    src = open_data(str(files["calib"]), get_input_specs(m))
+    section, text = repairability_section(m, src, n_images=16, transition_grid=(0.5, 0.9))
+    names = [la.node_name for la in find_prunable(analyze_structure(m))]
+    assert [r["layer"] for r in section["rows"]] == names
+    alloc = section["allocation"]
+    assert alloc["rule"] == "rr" and alloc["n_pruned"] == int(0.9 * alloc["n_weights"])
+    assert section["transition"]["band"] is not None and "rr s@0.9" in text
+    assert section["n_images"] == 16
