@@ -155,6 +155,8 @@ def _single_model_report(command, path, p, *, out, overwrite, write, structure_s
                 model, probe, structure, targets=p["targets"], seed=p["seed"],
                 providers=p["providers"], model_name=str(path), label="Channel statistics")
             texts.append(ch_text)
+            sections["repairability"], rr_text = _repairability(model, probe, structure, p)
+            texts.append(rr_text)
     elif command == "analyze":
         texts.append("== Readouts ==\nskipped: no --data given (readouts need a probe batch).\n")
     meta = build_metadata(command=command, parameters=p, model_path=path,
@@ -168,6 +170,18 @@ def _single_model_report(command, path, p, *, out, overwrite, write, structure_s
         table = rows_to_csv([_readout_row(path, to_jsonable(sections["readouts"]))])
     return _finish(command, report, text, text, folder, overwrite, csv=table,
                    csv_name="readouts.csv")
+
+
+def _repairability(model, probe, structure, p) -> tuple[dict, str]:
+    """The RR section of analyze; a model without prunable layers gets a one-line note."""
+    from .sparse_report import repairability_section
+
+    try:
+        return repairability_section(model, probe, structure=structure,
+                                     providers=p["providers"])
+    except OnnxDiagError as exc:
+        return ({"skipped": str(exc)},
+                f"== Repairability (SPEC C2) ==\nskipped: {exc}\n")
 
 
 def _readout_row(path, result: dict) -> dict:

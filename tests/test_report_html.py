@@ -32,6 +32,9 @@ def reports(tmp_path_factory):
         "readouts": ["readouts", SAMPLE.model, *data],
         "select": ["select", *series, *data, "--eval-data", SAMPLE.evaluation, "--jobs", 1],
         "channels": ["channels", SAMPLE.model, *data],
+        "rr": ["rr", SAMPLE.model, *data],
+        "sweep": ["sweep", SAMPLE.model, *data, "--sparsity", "0.5:0.7:0.1", "--allocations",
+                  "erk,rr", "--repairs", "cr+bn"],
     }
     out = {}
     for name, args in commands.items():
@@ -45,7 +48,7 @@ def test_schema_is_a_valid_draft_2020_12_schema():
     jsonschema.Draft202012Validator.check_schema(load_schema())
 
 
-@pytest.mark.parametrize("verb", ["analyze", "readouts", "select", "channels"])
+@pytest.mark.parametrize("verb", ["analyze", "readouts", "select", "channels", "rr", "sweep"])
 def test_reports_validate_against_the_published_schema(reports, verb):
     report = json.loads((reports[verb] / "report.json").read_text())
     validate_report(report)
@@ -71,7 +74,9 @@ def test_html_has_one_decodable_plot_per_section(reports):
     pytest.importorskip("matplotlib")
     import base64
 
-    expected = {"analyze": 0, "readouts": 0, "select": 1, "channels": 1}
+    # analyze: the transition scan of its repairability section; rr: RR curves + scan;
+    # sweep: accuracy vs sparsity + per-layer sparsity bars.
+    expected = {"analyze": 1, "readouts": 0, "select": 1, "channels": 1, "rr": 2, "sweep": 2}
     for verb, n in expected.items():
         page = (reports[verb] / "report.html").read_text()
         imgs = _images(page)
@@ -110,7 +115,7 @@ def test_rerender_from_report_json(reports, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium")
-@pytest.mark.parametrize("verb", ["select", "channels"])
+@pytest.mark.parametrize("verb", ["select", "channels", "sweep"])
 def test_html_loads_in_headless_chromium(reports, verb, tmp_path):
     pytest.importorskip("matplotlib")
     page = reports[verb] / "report.html"

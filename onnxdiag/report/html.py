@@ -174,82 +174,112 @@ def _plot_channels(report: dict) -> list:
     return [("Channel axes: I_X vs I(T;Y)", cap, _png(fig))]
 
 
-def _curves(section: dict) -> tuple[list | None, list]:
-    """(grid, [(layer, values)]) from an RR section in any of the shapes we write."""
-    grid = section.get("grid") or section.get("sparsity_grid")
-    layers = section.get("layers") or []
-    out = []
-    for L in layers:
-        vals = L.get("rr") if isinstance(L, dict) else None
-        if vals is not None:
-            out.append((L.get("layer") or L.get("name"), vals))
-    return grid, out
+def _rr_curves(section) -> tuple[list, list]:
+    """(grid, [(layer, RR values)]) from a ``curves`` dict (layers, grid, rr matrix)."""
+    if not isinstance(section, dict):
+        return [], []
+    grid, layers, rr = section.get("grid"), section.get("layers"), section.get("rr")
+    if not grid or not layers or not rr:
+        return [], []
+    return grid, list(zip(layers, rr))
+
+
+def _band_span(ax, band, color, label):
+    if isinstance(band, dict) and band.get("start") is not None and band.get("end") is not None:
+        ax.axvspan(band["start"], band["end"], color=color, alpha=0.12, label=label)
 
 
 def _plot_repairability(report: dict) -> list:
-    sec = report.get("repairability") or report.get("rr")
+    sec = report.get("repairability")
     if not isinstance(sec, dict):
         return []
-    grid, curves = _curves(sec)
-    if not grid or not curves:
-        return []
-    fig, axes = _figure(1, 1, width=8, height=4.2)
-    ax = axes[0]
-    for name, vals in curves:
-        ax.plot(grid, _finite(vals), lw=1.2, label=name)
-    ax.set_xlabel("layer sparsity s")
-    ax.set_ylabel("RR(ℓ, s)")
-    ax.legend(fontsize=6, ncol=2)
-    return [("Relative repairability per layer", "RR(ℓ, s) on the sparsity grid (SPEC C2).",
-             _png(fig))]
+    grid, curves = _rr_curves(sec.get("curves"))
+    out = []
+    if curves:
+        fig, axes = _figure(1, 1, width=8, height=4.2)
+        ax = axes[0]
+        for name, vals in curves:
+            ax.plot(grid, _finite(vals), lw=1.2, label=name)
+        ax.axhline(1.0, color="0.5", lw=0.8, ls=":")
+        ax.set_xlabel("layer sparsity s")
+        ax.set_ylabel("RR(ℓ, s)")
+        ax.legend(fontsize=6, ncol=2)
+        out.append(("Relative repairability per layer",
+                    "RR(ℓ, s) = (D_repair + ε)/(D_raw + ε) with only layer ℓ pruned (SPEC C2); "
+                    "below 1: CR+BN repairs part of the damage.", _png(fig)))
+    tr = sec.get("transition")
+    if isinstance(tr, dict) and tr.get("cells"):
+        cells = sorted(tr["cells"], key=lambda c: c.get("sparsity", 0))
+        keys = sorted({c.get("repair") for c in cells if c.get("repair")})
+        fig, axes = _figure(1, 1, width=8, height=3.6)
+        ax = axes[0]
+        for rep in keys or [None]:
+            pts = [c for c in cells if c.get("repair") == rep]
+            ax.plot([c["sparsity"] for c in pts], _finite(c.get("agreement") for c in pts),
+                    "o-", ms=3, label=f"agreement ({rep})" if rep else "agreement")
+        _band_span(ax, tr.get("band"), "C1", "agreement band")
+        _band_span(ax, tr.get("cts_band"), "C4", "CTS band")
+        ax.set_xlabel("global sparsity S")
+        ax.set_ylabel("top-1 agreement with dense")
+        ax.legend(fontsize=7)
+        out.append(("Label-free transition scan",
+                    f"Allocation {tr.get('allocation')}; shaded: the predicted band (SPEC C4).",
+                    _png(fig)))
+    return out
 
 
 def _plot_sweep(report: dict) -> list:
     sw = report.get("sweep")
     if not isinstance(sw, dict) or not sw.get("cells"):
         return []
-    cells = sw["cells"]
-    metric = "accuracy" if any(c.get("accuracy") is not None for c in cells) else "agreement"
-    keys = sorted({(c["allocation"], c["repair"]) for c in cells})
-    fig, axes = _figure(1, 1, width=9, height=4.4)
-    ax = axes[0]
-    for alloc, rep in keys:
-        pts = sorted((c["sparsity"], c.get(metric)) for c in cells
-                     if c["allocation"] == alloc and c["repair"] == rep)
-        ax.plot([p[0] for p in pts], _finite(p[1] for p in pts), "o-", ms=3,
-                label=f"{alloc} / {rep}")
-    for key, color in (("band", "C1"), ("cts_band", "C4"), ("transition_band", "C1")):
-        band = sw.get(key)
-        if isinstance(band, dict) and band.get("low") is not None and band.get("high") is not None:
-            ax.axvspan(band["low"], band["high"], color=color, alpha=0.12, label=key)
-    ax.set_xlabel("global sparsity")
-    ax.set_ylabel(metric)
-    ax.legend(fontsize=6, ncol=2)
+    cells = [c for c in sw["cells"] if not c.get("error")]
+    metric = sw.get("metric") or "agreement"
+    if not any(c.get(metric) is not None for c in cells):
+        metric = "agreement"
+    repairs = sw.get("repairs") or sorted({c["repair"] for c in cells})
+    rules = sw.get("allocations") or sorted({c["allocation"] for c in cells})
+    fig, axes = _figure(len(repairs), 1, width=5 * max(1, min(len(repairs), 3)), height=4.2)
+    for ax, rep in zip(axes, repairs):
+        for k, rule in enumerate(rules):
+            pts = sorted((c["sparsity"], c.get(metric)) for c in cells
+                         if c["allocation"] == rule and c["repair"] == rep)
+            ax.plot([q[0] for q in pts], _finite(q[1] for q in pts), "o-", ms=3,
+                    color=f"C{k}", label=rule)
+        tr = (sw.get("transitions") or {}).get("rr") or {}
+        if tr.get("repair", rep) == rep:
+            _band_span(ax, tr.get("band"), "C1", "agreement band (rr)")
+        ax.set_title(f"repair: {rep}", fontsize=9)
+        ax.set_xlabel("global sparsity S")
+        ax.set_ylabel(metric)
+        ax.legend(fontsize=6)
     out = [(f"{metric.capitalize()} vs sparsity per allocation",
-            "Shaded: the transition band(s) found.", _png(fig))]
-    alloc = sw.get("allocations")
-    if isinstance(alloc, dict) and alloc:
-        out += _plot_allocation_bars(alloc)
+            "One line per allocation rule; shaded: the label-free transition band of rr "
+            "(agreement 0.9 → 0.5).", _png(fig))]
+    out += _plot_allocation_bars(cells, repairs[0] if repairs else None)
     return out
 
 
-def _plot_allocation_bars(alloc: dict) -> list:
-    """``alloc``: {rule: {layer: sparsity}} at one global sparsity."""
-    rules = [r for r, v in alloc.items() if isinstance(v, dict) and v]
-    if not rules:
+def _plot_allocation_bars(cells: list, repair) -> list:
+    """Per-layer sparsity of every rule at the middle sparsity of the sweep."""
+    cells = [c for c in cells if c.get("layer_sparsity") and c["repair"] == repair]
+    if not cells:
         return []
-    layers = list(alloc[rules[0]])
-    fig, axes = _figure(1, 1, width=10, height=4.0)
+    grid = sorted({c["sparsity"] for c in cells})
+    S = grid[len(grid) // 2]
+    at = {c["allocation"]: c["layer_sparsity"] for c in cells if c["sparsity"] == S}
+    rules = list(at)
+    layers = list(at[rules[0]])
+    fig, axes = _figure(1, 1, width=10, height=4.2)
     ax = axes[0]
     w = 0.8 / len(rules)
     for k, rule in enumerate(rules):
         ax.bar([i + k * w for i in range(len(layers))],
-               _finite(alloc[rule].get(L) for L in layers), width=w, label=rule)
+               _finite(at[rule].get(L) for L in layers), width=w, label=rule)
     ax.set_xticks([i + 0.4 - w / 2 for i in range(len(layers))])
     ax.set_xticklabels(layers, rotation=60, ha="right", fontsize=6)
     ax.set_ylabel("layer sparsity")
     ax.legend(fontsize=7)
-    return [("Per-layer sparsity by allocation", "", _png(fig))]
+    return [(f"Per-layer sparsity by allocation at S = {S:g}", "", _png(fig))]
 
 
 def _plot_prune_sweep(report: dict) -> list:
