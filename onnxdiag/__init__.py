@@ -1,18 +1,72 @@
 """onnxdiag: diagnose, prune and repair trained ONNX classifiers.
 
-The public API mirrors the CLI verbs and returns result records.  Importing this
-package does not import onnxruntime (the runner imports it lazily).
+The public API mirrors the CLI verbs: each returns a result record
+(:class:`onnxdiag.analysis.CommandResult` with ``.report`` (the JSON dict), ``.summary``,
+``.text``, ``.csv`` and ``.folder``); pass ``write=False`` to skip the report folder.
+
+==========================  ===========================
+CLI                         Python
+==========================  ===========================
+``onnxdiag analyze``        :func:`analyze`
+``onnxdiag inspect``        :func:`inspect_model`
+``onnxdiag readouts``       :func:`readouts_report`
+``onnxdiag select``         :func:`select_report`
+``onnxdiag channels``       :func:`channels_report`
+``onnxdiag lesion``         :func:`lesion_report`
+``onnxdiag prune-channels`` :func:`prune_channels_report`
+``onnxdiag prune-sweep``    :func:`prune_sweep_report`
+``onnxdiag rr``             :func:`rr_report`
+``onnxdiag prune``          :func:`prune_report_sparse`
+``onnxdiag sweep``          :func:`sweep_report`
+==========================  ===========================
+
+Importing this package does not import onnxruntime (the runner imports it lazily).
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["analyze", "inspect_model", "readouts_report", "select_report", "__version__"]
+#: public name -> module that defines it (imported on first use).
+_VERBS = {
+    "analyze": "analysis",
+    "inspect_model": "analysis",
+    "readouts_report": "analysis",
+    "select_report": "analysis",
+    "channels_report": "channel_report",
+    "lesion_report": "channel_report",
+    "prune_channels_report": "prune_report",
+    "prune_sweep_report": "prune_report",
+    "rr_report": "sparse_report",
+    "prune_report_sparse": "sparse_report",
+    "sweep_report": "sparse_report",
+}
+
+#: CLI command -> the Python function it calls.
+CLI_VERBS = {
+    "analyze": "analyze",
+    "inspect": "inspect_model",
+    "readouts": "readouts_report",
+    "select": "select_report",
+    "channels": "channels_report",
+    "lesion": "lesion_report",
+    "prune-channels": "prune_channels_report",
+    "prune-sweep": "prune_sweep_report",
+    "rr": "rr_report",
+    "prune": "prune_report_sparse",
+    "sweep": "sweep_report",
+}
+
+__all__ = [*_VERBS, "CLI_VERBS", "__version__"]
 
 
 def __getattr__(name):
-    # Lazy: `import onnxdiag` stays cheap; the verbs live in onnxdiag.analysis.
-    if name in ("analyze", "inspect_model", "readouts_report", "select_report"):
-        from . import analysis
+    # Lazy: `import onnxdiag` stays cheap; each verb lives in its module.
+    module = _VERBS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'onnxdiag' has no attribute {name!r}")
+    import importlib
 
-        return getattr(analysis, name)
-    raise AttributeError(f"module 'onnxdiag' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+def __dir__():
+    return sorted([*globals(), *_VERBS])

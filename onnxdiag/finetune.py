@@ -9,11 +9,12 @@ input model, so inputs, outputs, node names and metadata are the input's (never 
 
 Trained: the float initializers behind the weights and biases of the Conv / ConvTranspose /
 Gemm / MatMul nodes feeding the logits (a bias may be a following Add's constant) and the
-scale and bias of the BatchNormalizations there.  BN runs in inference mode: its running
-statistics are fixed (neither updated nor trained) and gradients flow through them.  (ORT
-can differentiate training-mode BN, but the new statistics would not reach the exported
-model.)  ``onnxruntime-training`` replaces ``onnxruntime``, so it lives in its own
-environment (the ``[training]`` extra; constants here are the pinned 1.19.2's).
+scale and bias of the BatchNormalizations there.  BN runs in inference mode: the training
+graph has each BN replaced by its affine (x − mean)/√(var+ε)·scale + bias with the running
+statistics as constants (neither updated nor trained; ORT's own BN gradient would run BN in
+training mode, on batch statistics that never reach the exported model).
+``onnxruntime-training`` replaces ``onnxruntime``, so it lives in its own environment (the
+``[training]`` extra; constants here are the pinned 1.19.2's).
 """
 
 from __future__ import annotations
@@ -238,15 +239,70 @@ def _trainable_names(model: onnx.ModelProto, logits: str) -> list[str]:
 
 def _training_base(model: onnx.ModelProto, head) -> onnx.ModelProto:
     """A copy whose only output is the logits flattened to (batch, n_classes); the rest of
-    the graph stays (unused by the loss) so ORT can export under the original outputs."""
+    the graph stays (unused by the loss) so ORT can export under the original outputs.
+
+    BatchNormalization nodes become their inference-mode affine (x − mean)·(1/√(var+ε))
+    ·scale + bias with the running statistics as constants: ORT's training graph would
+    otherwise run BN in training mode (batch statistics), train against statistics the
+    exported model never uses, and the exported model's accuracy would collapse."""
     base = onnx.ModelProto()
     base.CopyFrom(model)
+    _bn_as_affine(base)
     base.graph.node.append(helper.make_node("Flatten", [head.logits], [_LOGITS],
                                             name=_LOGITS, axis=1))
     del base.graph.output[:]
     base.graph.output.append(helper.make_tensor_value_info(
         _LOGITS, onnx.TensorProto.FLOAT, ["batch", head.n_classes]))
     return base
+
+
+def _bn_as_affine(model: onnx.ModelProto) -> None:
+    """Replace (in place) every inference-mode BatchNormalization whose parameters are
+    initializers by Sub/Mul/Mul/Add; scale and bias keep their initializer names (reshaped
+    for broadcasting) so they stay trainable and splice back into the BN."""
+    index = GraphIndex(model)
+    ranks = {v.name: len(v.type.tensor_type.shape.dim)
+             for v in list(model.graph.value_info) + list(model.graph.input)
+             if v.type.tensor_type.HasField("shape")}
+    nodes = []
+    for node in model.graph.node:
+        sources = [index.source_initializer(t) if t else None for t in node.input[1:5]]
+        training = any(a.name == "training_mode" and a.i for a in node.attribute)
+        rank = ranks.get(node.input[0])
+        if (node.op_type != "BatchNormalization" or len(node.output) != 1 or training
+                or None in sources or len(sources) != 4 or rank is None or rank < 2):
+            nodes.append(node)
+            continue
+        eps = next((a.f for a in node.attribute if a.name == "epsilon"), 1e-5)
+        mean, var = (numpy_helper.to_array(index.initializers[n]) for n in sources[2:])
+        shape = [-1] + [1] * (rank - 2)
+        stem = f"{node.name or node.output[0]}/onnxdiag_bn"
+        consts = {f"{stem}/mean": mean.reshape(shape).astype(np.float32),
+                  f"{stem}/inv_std": (1.0 / np.sqrt(var.astype(np.float64) + eps))
+                  .reshape(shape).astype(np.float32),
+                  f"{stem}/shape": np.array(shape, dtype=np.int64)}
+        model.graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in consts.items())
+        scale, bias = node.input[1], node.input[2]
+        nodes += [
+            helper.make_node("Reshape", [scale, f"{stem}/shape"], [f"{stem}/scale"],
+                             name=f"{stem}/scale"),
+            helper.make_node("Reshape", [bias, f"{stem}/shape"], [f"{stem}/bias"],
+                             name=f"{stem}/bias"),
+            helper.make_node("Sub", [node.input[0], f"{stem}/mean"], [f"{stem}/centred"],
+                             name=f"{stem}/centred"),
+            helper.make_node("Mul", [f"{stem}/centred", f"{stem}/inv_std"], [f"{stem}/norm"],
+                             name=f"{stem}/norm"),
+            helper.make_node("Mul", [f"{stem}/norm", f"{stem}/scale"], [f"{stem}/scaled"],
+                             name=f"{stem}/scaled"),
+            helper.make_node("Add", [f"{stem}/scaled", f"{stem}/bias"], list(node.output),
+                             name=node.name),
+        ]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    used = {t for n in model.graph.node for t in n.input}
+    keep = [t for t in model.graph.initializer if t.name in used]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(keep)  # the replaced BNs' running statistics
 
 
 @contextmanager

@@ -58,7 +58,8 @@ def layer_scores(name: str, model, structure, channel_scores: dict | None, *,
         raise OnnxDiagError(f"Score {name!r} needs calibration data for the channel statistics; "
                             "pass --data FILE.")
     out = magnitude_scores(model, structure)
-    fallback = sorted(set(out) - set(channel_scores))
+    prunable = {m for g in structure.groups if g.prunable for m in g.members}
+    fallback = sorted((set(out) - set(channel_scores)) & prunable)
     for layer, cs in channel_scores.items():
         out[layer] = stat_score(name, cs.scores, alpha=alpha, beta=beta)
     notes = [f"{name}: {len(fallback)} layer(s) without channel statistics scored by "
@@ -89,6 +90,7 @@ def _eval(model, structure, source, providers=None):
 def prune_channels_report(model, *, output, ratio=0.5, score="two_axis", data=None,
                           labels=None, eval_data=None, eval_labels=None, budget="uniform",
                           alpha=DEFAULT_ALPHA, beta=DEFAULT_BETA, plan=None, plan_out=None,
+                          reference=None,
                           finetune=False, train_data=None, train_labels=None, epochs=5,
                           lr=1e-4, max_batches=200, limit=None, seed=0, batch_size=64,
                           providers=None, head=None, features=None, targets="auto",
@@ -96,18 +98,28 @@ def prune_channels_report(model, *, output, ratio=0.5, score="two_axis", data=No
                           ) -> CommandResult:
     """Remove channels physically and emit a smaller ONNX model (``onnxdiag prune-channels``).
 
-    ``plan``: a plan JSON to replay (hash-checked) instead of scoring. The emitted model
+    ``plan``: a plan JSON to replay (hash-checked) instead of scoring. ``budget``:
+    uniform, global, or reference (per-group counts of the plan JSON ``reference``, by
+    default of a global-threshold magnitude plan at ``ratio``). The emitted model
     gets a sidecar ``<output>.json``: plan, FLOPs/params/file size before and after,
     CPU latency at batch 1 and 32, agreement with the source, accuracy before/after.
     """
     from .emit import compare_models, emit_model, finalize_model, measure_latency
     from .graph import analyze_structure
-    from .model_io import check_output_path, get_input_specs, load_model
+    from .model_io import get_input_specs, load_model
     from .probe import make_head_runner
-    from .structured import load_plan, plan_pruning, prune_channels, save_plan
+    from .structured import load_plan, plan_pruning, prune_channels, replay_plan, save_plan
 
+    protect = [model, data, eval_data, train_data, plan, reference]
     folder = _check_out(out, "prune-channels", overwrite, write)
-    check_output_path(output, protect=[model, data, eval_data, plan])
+    _check_outputs(output, plan_out, protect, overwrite)
+    if finetune:
+        if train_data is None:
+            raise OnnxDiagError("--finetune needs labelled training data; pass "
+                                "--train-data FILE.")
+        from .finetune import _import_training
+
+        _import_training()  # fail before any work without the training extra
     m = load_model(model)
     structure = analyze_structure(m, head=head, features=features)
     specs = get_input_specs(m)
@@ -118,6 +130,9 @@ def prune_channels_report(model, *, output, ratio=0.5, score="two_axis", data=No
     notes = []
     if plan is not None:
         the_plan = load_plan(plan)
+        pruned, record = replay_plan(m, the_plan)  # hash-checked: the plan's model only
+        structure = analyze_structure(m, head=the_plan.head)
+        score = the_plan.score
     else:
         cs = None
         if score in STAT_SCORES:
@@ -126,9 +141,17 @@ def prune_channels_report(model, *, output, ratio=0.5, score="two_axis", data=No
             cs = stat_scores(m, structure, calib, targets=targets, seed=seed,
                              providers=providers, progress=progress)
         scores, notes = layer_scores(score, m, structure, cs, alpha=alpha, beta=beta, seed=seed)
-        the_plan = plan_pruning(m, structure, scores, ratio, budget=budget, seed=seed,
-                                score_name=score)
-    pruned, record = prune_channels(m, structure, the_plan)
+        ref = None
+        if budget == "reference":  # a fixed allocation: another plan's, or global magnitude
+            ref = load_plan(reference) if reference is not None else plan_pruning(
+                m, structure, layer_scores("magnitude", m, structure, None)[0], ratio,
+                budget="global", seed=seed)
+            if ref.n_channels != the_groups(structure, ref):
+                raise OnnxDiagError(f"The reference plan '{reference}' was made for a model "
+                                    "with other channel groups; use a plan of this model.")
+        the_plan = plan_pruning(m, structure, scores, ratio, budget=budget, reference=ref,
+                                seed=seed, score_name=score)
+        pruned, record = prune_channels(m, structure, the_plan.removed)
     pruned = finalize_model(pruned)
     ft = None
     if finetune:
@@ -150,20 +173,48 @@ def prune_channels_report(model, *, output, ratio=0.5, score="two_axis", data=No
                "accuracy_after": _eval(pruned, p_struct, evaluation), "finetune": ft,
                "notes": notes, "flops_ratio": _ratio(record.flops_after, record.flops_before),
                "params_ratio": _ratio(record.params_after, record.params_before)}
-    info = emit_model(pruned, output, source_path=model, sidecar=sidecar,
-                      protect=[model, data, eval_data, plan])
+    info = emit_model(pruned, output, source_path=model, sidecar=sidecar, protect=protect)
     if plan_out:
         save_plan(the_plan, plan_out)
     info["file_size_ratio"] = _ratio(info["emitted"]["file_bytes"], info.get("source_file_bytes"))
     meta = build_metadata(command="prune-channels", model_path=model,
                           parameters=dict(output=str(output), ratio=ratio, score=score,
                                           budget=budget, alpha=alpha, beta=beta,
-                                          plan=plan, finetune=finetune, epochs=epochs, lr=lr,
+                                          plan=plan, reference=reference,
+                                          finetune=finetune, epochs=epochs, lr=lr,
                                           seed=seed, limit=limit, data=data,
                                           eval_data=eval_data))
     report = {"schema": SCHEMA_VERSION, "metadata": meta, "prune_channels": info}
     text = _header(meta) + render_prune(info)
     return _finish("prune-channels", report, text, text, folder, overwrite)
+
+
+def the_groups(structure, plan) -> dict:
+    """{group id: channels} of ``structure`` for the groups ``plan`` names (-1: absent)."""
+    n = len(structure.groups)
+    return {g: structure.groups[g].n_channels if g < n else -1 for g in plan.n_channels}
+
+
+def _check_outputs(output, plan_out, protect, overwrite: bool) -> None:
+    """Refuse before any work: an output that is an input, or that exists (no --overwrite)."""
+    from pathlib import Path
+
+    from .errors import OutputError
+    from .model_io import check_output_path
+
+    if output is None:
+        raise OnnxDiagError("prune-channels needs an output model path; pass -o smaller.onnx.")
+    out = check_output_path(output, protect=protect)
+    targets = [out, out.with_name(out.name + ".json")]
+    if plan_out:
+        targets.append(check_output_path(plan_out, protect=protect + [output]))
+        if Path(plan_out).resolve() in {t.resolve() for t in targets[:2]}:
+            raise OutputError(f"--plan-out '{plan_out}' collides with the output model or its "
+                              "sidecar; choose another plan file name.")
+    for path in targets:
+        if Path(path).exists() and not overwrite:
+            raise OutputError(f"'{path}' already exists; pass --overwrite to replace it or "
+                              "choose another name.")
 
 
 def _ratio(a, b):
@@ -213,7 +264,8 @@ def render_prune(info: dict) -> str:
              "top-1 %": None if not acc_a else 100 * acc_a["accuracy"]}]
     lines = ["== Structured pruning (SPEC B6) ==",
              f"score {plan['score']}, budget {plan['budget']}, ratio {plan['ratio']}: "
-             f"{plan.get('n_removed', '')} channels removed -> {info['emitted']['path']}",
+             f"{sum(len(v) for v in plan['removed'].values())} of "
+             f"{sum(plan['n_channels'].values())} channels removed -> {info['emitted']['path']}",
              render_table(rows).rstrip(),
              f"FLOPs ratio {_fmt(info['flops_ratio'])}, params ratio "
              f"{_fmt(info['params_ratio'])}, file-size ratio {_fmt(info.get('file_size_ratio'))}"
@@ -232,3 +284,240 @@ def _speed(lat, b):
 
 def _fmt(x):
     return "-" if x is None else f"{x:.3f}"
+
+
+# -- prune-sweep ------------------------------------------------------------------------------
+LOCAL_AXIS, TARGET_AXIS = ("ix", "peer"), ("relevance",)
+DEFAULT_RATIOS = (0.1, 0.25, 0.5, 0.75)
+SWEEP_BUDGETS = ("uniform", "reference", "global")
+
+
+def normalized_auc(kept, accuracy, dense_accuracy) -> float | None:
+    """Trapezoid area under accuracy(kept-channel fraction), divided by dense accuracy ×
+    the range of kept fractions: 1.0 = dense accuracy kept over the whole grid.
+
+    ``kept``/``accuracy`` include the dense point (kept 1.0, dense accuracy)."""
+    k = np.asarray(kept, dtype=float)
+    a = np.asarray(accuracy, dtype=float)
+    if k.size < 2 or not dense_accuracy or np.any(~np.isfinite(a)):
+        return None
+    order = np.argsort(k)
+    k, a = k[order], a[order]
+    span = k[-1] - k[0]
+    if span <= 0:
+        return None
+    area = float(np.sum((k[1:] - k[:-1]) * (a[1:] + a[:-1]) / 2))
+    return area / (dense_accuracy * span)
+
+
+def _parse_list(values, kind, allowed=None):
+    out = []
+    for v in values:
+        if allowed is not None and v not in allowed:
+            raise OnnxDiagError(f"Unknown {kind} {v!r}; choose from {', '.join(allowed)}.")
+        if v not in out:
+            out.append(v)
+    if not out:
+        raise OnnxDiagError(f"Give at least one {kind}.")
+    return out
+
+
+def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES, data=None,
+                       labels=None, eval_labels=None, budget="uniform", alpha=DEFAULT_ALPHA,
+                       beta=DEFAULT_BETA, finetune=False, train_data=None, train_labels=None,
+                       epochs=5, lr=1e-4, max_batches=200, limit=None, seed=0, batch_size=64,
+                       providers=None, head=None, features=None, targets="auto", out=None,
+                       overwrite=False, write=True, progress=True) -> CommandResult:
+    """Accuracy vs kept-channel fraction per score, before and after recovery
+    (``onnxdiag prune-sweep``, SPEC B6).
+
+    The channel statistics (for ix, relevance, two_axis, peer) are computed once; every
+    (score, ratio) cell is planned, physically pruned and evaluated on ``eval_data``.
+    Budgets: ``uniform`` (default) and ``reference`` (every score gets the per-group
+    counts of a global-threshold magnitude plan at that ratio) are FLOPs-matched by
+    construction; ``global`` (per-score threshold) is not, and the table shows each
+    cell's FLOPs ratio. Normalised AUC: :func:`normalized_auc`.
+    """
+    from .finetune import _import_training
+    from .graph import analyze_structure
+    from .model_io import get_input_specs, load_model
+    from .probe import evaluate_model, make_head_runner
+    from .structured import plan_pruning, prune_channels
+
+    ratios = sorted({float(r) for r in ratios})
+    for r in ratios:
+        if not 0 < r < 1:
+            raise OnnxDiagError(f"Ratio {r} must be in (0, 1) (fraction of channels removed).")
+    if not ratios:
+        raise OnnxDiagError("Give at least one ratio, e.g. --ratios 0.25,0.5.")
+    scores = _parse_list(list(scores), "score", SCORES)
+    if budget not in SWEEP_BUDGETS:
+        raise OnnxDiagError(f"Unknown budget {budget!r}; use one of {', '.join(SWEEP_BUDGETS)}.")
+    if eval_data is None:
+        raise OnnxDiagError("prune-sweep measures accuracy; pass labelled --eval-data FILE.")
+    need_stats = any(sc in STAT_SCORES for sc in scores)
+    if need_stats and data is None:
+        raise OnnxDiagError("Scores " + ", ".join(sc for sc in scores if sc in STAT_SCORES)
+                            + " need calibration data for the channel statistics; pass "
+                            "--data FILE (or drop them from --scores).")
+    if finetune:
+        if train_data is None:
+            raise OnnxDiagError("--finetune needs labelled training data; pass "
+                                "--train-data FILE.")
+        _import_training()  # fail before any work without the training extra
+    folder = _check_out(out, "prune-sweep", overwrite, write)
+    m = load_model(model)
+    structure = analyze_structure(m, head=head, features=features)
+    specs = get_input_specs(m)
+    evaluation = _open(eval_data, specs, labels=eval_labels, seed=seed, batch_size=batch_size)
+    if not evaluation.has_labels:
+        raise OnnxDiagError("--eval-data has no labels; give an npz with a 'labels' key or "
+                            "--eval-labels FILE.")
+    train = None if not finetune else _open(train_data, specs, labels=train_labels, seed=seed,
+                                            batch_size=batch_size)
+
+    def accuracy(net, st):
+        return evaluate_model(make_head_runner(net, st.head, providers=providers), st.head,
+                              evaluation).accuracy
+
+    dense = accuracy(m, structure)
+    dense_after = None
+    if finetune:  # the dense model under the same recovery protocol: the after-curve's top
+        from .finetune import finetune_model
+
+        dense_after = finetune_model(m, train, epochs=epochs, lr=lr, max_batches=max_batches,
+                                     seed=seed, eval_source=evaluation)[1].accuracy_after
+    cs = None
+    if need_stats:
+        calib = _open(data, specs, labels=labels, limit=limit, seed=seed, batch_size=batch_size)
+        cs = stat_scores(m, structure, calib, targets=targets, seed=seed, providers=providers,
+                         progress=progress)  # once per sweep
+    reference = {}
+    if budget == "reference":
+        mag, _ = layer_scores("magnitude", m, structure, None)
+        reference = {r: plan_pruning(m, structure, mag, r, budget="global", seed=seed)
+                     for r in ratios}
+    rows, notes = [], []
+    for sc in scores:
+        per_layer, extra = layer_scores(sc, m, structure, cs, alpha=alpha, beta=beta, seed=seed)
+        notes += extra
+        for r in ratios:
+            if budget == "reference":
+                plan = plan_pruning(m, structure, per_layer, None, budget="reference",
+                                    reference=reference[r], seed=seed, score_name=sc)
+            else:
+                plan = plan_pruning(m, structure, per_layer, r, budget=budget, seed=seed,
+                                    score_name=sc)
+            pruned, record = prune_channels(m, structure, plan.removed)
+            p_struct = analyze_structure(pruned, head=structure.head.node_name)
+            total = sum(plan.n_channels.values())
+            row = {"score": sc, "ratio": r,
+                   "kept_fraction": 1 - plan.n_removed / total if total else 1.0,
+                   "channels_removed": plan.n_removed,
+                   "flops_ratio": _ratio(record.flops_after, record.flops_before),
+                   "params_ratio": _ratio(record.params_after, record.params_before),
+                   "accuracy_before": accuracy(pruned, p_struct), "accuracy_after": None}
+            if finetune:
+                from .finetune import finetune_model
+
+                _, ft = finetune_model(pruned, train, epochs=epochs, lr=lr,
+                                       max_batches=max_batches, seed=seed,
+                                       eval_source=evaluation)
+                row["accuracy_after"] = ft.accuracy_after
+                row["finetune_loss_first_last"] = [ft.first_loss, ft.last_loss]
+            rows.append(row)
+    section = summarize_sweep(rows, dense, scores, budget, finetune, dense_after)
+    section["notes"] = sorted(set(notes))
+    meta = build_metadata(command="prune-sweep", model_path=model,
+                          parameters=dict(ratios=ratios, scores=scores, budget=budget,
+                                          alpha=alpha, beta=beta, finetune=finetune,
+                                          epochs=epochs, lr=lr, max_batches=max_batches,
+                                          seed=seed, limit=limit, data=data,
+                                          eval_data=eval_data, train_data=train_data))
+    report = {"schema": SCHEMA_VERSION, "metadata": meta, "prune_sweep": section}
+    text = _header(meta) + render_sweep(section)
+    if folder is not None:
+        from .channel_report import _csv
+        from .report import to_json, write_report
+
+        write_report(folder, {"report.json": to_json(report), "report.txt": text,
+                              "sweep.csv": _csv(rows)}, overwrite=overwrite)
+    return CommandResult(report=report, summary=text, text=text, folder=folder)
+
+
+def summarize_sweep(rows, dense, scores, budget, finetune, dense_after=None) -> dict:
+    """Normalised AUC per score (before / after recovery), FLOPs matching per ratio and the
+    local-axis vs target-axis comparison of SPEC B6.
+
+    The after-recovery curve starts at, and is normalised by, ``dense_after``: the dense
+    model fine-tuned with the same protocol (the dense accuracy when not given)."""
+    top = dense if dense_after is None else dense_after
+    auc = {}
+    for sc in scores:
+        mine = [r for r in rows if r["score"] == sc]
+        kept = [1.0] + [r["kept_fraction"] for r in mine]
+        entry = {"before": normalized_auc(kept, [dense] + [r["accuracy_before"] for r in mine],
+                                          dense)}
+        if finetune:
+            entry["after"] = normalized_auc(kept, [top] + [r["accuracy_after"]
+                                                           for r in mine], top)
+        auc[sc] = entry
+    matched = {}
+    for r in sorted({row["ratio"] for row in rows}):
+        flops = {row["flops_ratio"] for row in rows if row["ratio"] == r}
+        matched[str(r)] = {"flops_ratio_min": min(flops), "flops_ratio_max": max(flops),
+                           "matched": max(flops) - min(flops) < 1e-12}
+    compare = {}
+    for phase in ("before", "after") if finetune else ("before",):
+        local = [(auc[s][phase], s) for s in LOCAL_AXIS if s in auc and auc[s][phase] is not None]
+        target = [(auc[s][phase], s) for s in TARGET_AXIS
+                  if s in auc and auc[s][phase] is not None]
+        if local and target:
+            (bl, sl), (bt, st) = max(local), max(target)
+            compare[phase] = {"best_local": sl, "best_target": st,
+                              "local_minus_target_pp": 100 * (bl - bt)}
+    return {"dense_accuracy": dense, "dense_accuracy_after_recovery": dense_after,
+            "budget": budget, "finetune": finetune, "rows": rows,
+            "auc": auc, "flops_matched": matched, "local_vs_target": compare,
+            "auc_definition": "trapezoid area of accuracy over the kept-channel fraction "
+                              "(dense point at 1.0 included), divided by dense accuracy x "
+                              "the kept-fraction range"
+                              + ("; after recovery the dense point and the normaliser are "
+                                 "the dense model fine-tuned with the same protocol"
+                                 if finetune else "")}
+
+
+def render_sweep(section: dict) -> str:
+    rows, fin = section["rows"], section["finetune"]
+    ratios = sorted({r["ratio"] for r in rows})
+    table = []
+    for sc, entry in section["auc"].items():
+        line = {"score": sc}
+        for r in ratios:
+            cell = next(x for x in rows if x["score"] == sc and x["ratio"] == r)
+            acc = f"{100 * cell['accuracy_before']:.1f}"
+            if fin:
+                acc += f" / {100 * cell['accuracy_after']:.1f}"
+            line[f"kept {1 - r:.2f}"] = acc
+        line["AUC"] = _fmt(entry["before"])
+        if fin:
+            line["AUC rec."] = _fmt(entry.get("after"))
+        table.append(line)
+    flops = ", ".join(f"{1 - float(r):.2f}: {_fmt(v['flops_ratio_min'])}"
+                      + ("" if v["matched"] else f"-{_fmt(v['flops_ratio_max'])} (not matched)")
+                      for r, v in section["flops_matched"].items())
+    lines = ["== Structured pruning sweep (SPEC B6) ==",
+             f"dense top-1 {100 * section['dense_accuracy']:.2f} %"
+             + ("" if section.get("dense_accuracy_after_recovery") is None else
+                f" ({100 * section['dense_accuracy_after_recovery']:.2f} % after the same "
+                "fine-tuning)") + ", budget "
+             f"{section['budget']}; cells: top-1 % before"
+             + (" / after recovery fine-tuning" if fin else " (no recovery)"),
+             render_table(table).rstrip(),
+             f"FLOPs ratio per kept fraction: {flops}",
+             "AUC: " + section["auc_definition"]]
+    for phase, c in section["local_vs_target"].items():
+        lines.append(f"{phase} recovery: best local-axis ({c['best_local']}) minus best "
+                     f"target-axis ({c['best_target']}) AUC: {c['local_minus_target_pp']:+.1f} pp")
+    lines += [f"note: {n}" for n in section.get("notes", [])]
+    return "\n".join(lines) + "\n"

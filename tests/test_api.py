@@ -1,0 +1,41 @@
+"""The Python API mirrors the CLI: every command has a documented function."""
+
+import subprocess
+import sys
+
+import onnxdiag
+from onnxdiag.cli import cli
+
+
+def test_every_cli_command_has_a_python_verb():
+    assert set(cli.commands) == set(onnxdiag.CLI_VERBS)
+    for command, name in onnxdiag.CLI_VERBS.items():
+        fn = getattr(onnxdiag, name)
+        assert callable(fn) and fn.__doc__, command
+        assert name in onnxdiag.__all__ and name in dir(onnxdiag)
+
+
+def test_unknown_attribute_is_an_attribute_error():
+    try:
+        onnxdiag.no_such_verb  # noqa: B018
+    except AttributeError as exc:
+        assert "no_such_verb" in str(exc)
+    else:
+        raise AssertionError("expected AttributeError")
+
+
+def test_import_is_cheap_and_does_not_load_onnxruntime():
+    code = "import sys, onnxdiag; print('onnxruntime' in sys.modules, 'onnx' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["False", "False"]
+
+
+def test_readme_example_runs_on_the_sample():
+    from onnxdiag.sample import get_sample
+
+    s = get_sample()
+    result = onnxdiag.analyze(str(s.model), data=str(s.calibration), limit=64, write=False)
+    assert result.folder is None
+    value = result.report["readouts"]["readouts"]["values"]["head_grad_feature"]
+    assert value > 0 and f"{value:.4g}"[:4] in result.summary.replace(" ", "")

@@ -1,0 +1,259 @@
+"""CLI for structured pruning (SPEC B6): prune-channels and prune-sweep on tiny corpus
+models — outputs, plan replay to the same bytes, refusals (exit 1, one line, nothing
+written), the sweep's FLOPs matching, normalised AUC and one statistics pass per sweep.
+
+Tests whose name contains "finetune" and need onnxruntime.training run in CI's training
+environment (``.ci/run``) and skip in the main one."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import corpus
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+
+import onnxdiag.prune_report as prune_report
+from onnxdiag.cli import cli
+from onnxdiag.model_io import save_model
+from onnxdiag.prune_report import normalized_auc
+
+
+def run(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+def assert_user_error(result, fragment, *absent):
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    err = result.stderr.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    assert fragment in err, err
+    for path in absent:
+        assert not path.exists(), f"no partial output may be left behind: {path}"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """residual_block saved to disk with learnable labelled data (labels = argmax of a fixed
+    projection of the channel means)."""
+    folder = tmp_path_factory.mktemp("tiny")
+    model = corpus.residual_block()
+    path = save_model(model, folder / "model.onnx")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((160, 3, 8, 8)).astype(np.float32)
+    x += rng.standard_normal((160, 3, 1, 1)).astype(np.float32)
+    labels = (x.mean(axis=(2, 3)) @ rng.standard_normal((3, corpus.N_CLASSES))).argmax(1)
+    np.savez(folder / "data.npz", x=x, labels=labels)
+    return folder, path, folder / "data.npz"
+
+
+def test_help_lists_the_options():
+    for verb, option in (("prune-channels", "--plan-out"), ("prune-sweep", "--ratios")):
+        result = run(verb, "--help")
+        assert result.exit_code == 0 and option in result.output and "--finetune" in result.output
+
+
+def test_prune_channels_writes_a_smaller_model_sidecar_and_plan(tiny, tmp_path):
+    folder, model, data = tiny
+    out = tmp_path / "small.onnx"
+    result = run("prune-channels", model, "--ratio", 0.5, "--score", "two_axis", "--data", data,
+                 "--eval-data", data, "-o", out, "--plan-out", tmp_path / "plan.json",
+                 "--out", tmp_path / "rep", "--format", "json")
+    assert result.exit_code == 0, result.output
+    small = onnx.load(out)
+    onnx.checker.check_model(small, full_check=True)
+    big = onnx.load(model)
+    n = lambda m: sum(int(np.prod(t.dims)) for t in m.graph.initializer)  # noqa: E731
+    assert n(small) < n(big)
+    feeds = corpus.random_feeds(big, batch=2)
+    assert corpus.run_ort(small, feeds)["logits"].shape == (2, corpus.N_CLASSES)
+    side = json.loads((tmp_path / "small.onnx.json").read_text())
+    assert 0 < side["flops_ratio"] < 1 and 0 < side["params_ratio"] < 1
+    assert set(side["latency_cpu"]["pruned_ms"]) == {"1", "32"}
+    assert side["accuracy_before"]["accuracy"] is not None
+    assert side["plan"]["score"] == "two_axis" and side["emitted"]["file_bytes"] > 0
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["schema"].startswith("onnxdiag.plan/")
+    for gid, chans in plan["removed"].items():  # uniform: ⌊0.5·n⌋ per group
+        assert len(chans) == plan["n_channels"][gid] // 2
+    report = json.loads(result.stdout)
+    assert report["prune_channels"]["file_size_ratio"] < 1
+    assert (tmp_path / "rep" / "report.txt").is_file()
+
+
+def test_plan_replays_to_the_same_bytes_and_only_on_its_model(tiny, tmp_path):
+    folder, model, data = tiny
+    first, again = tmp_path / "a.onnx", tmp_path / "b.onnx"
+    plan = tmp_path / "plan.json"
+    assert run("prune-channels", model, "--ratio", 0.5, "--score", "ix", "--data", data,
+               "-o", first, "--plan-out", plan, "--out", tmp_path / "r1").exit_code == 0
+    # replay needs neither data nor the score: the plan says which channels
+    result = run("prune-channels", model, "--plan", plan, "-o", again, "--out", tmp_path / "r2")
+    assert result.exit_code == 0, result.output
+    assert first.read_bytes() == again.read_bytes()
+    other = save_model(corpus.residual_block(seed=1), tmp_path / "other.onnx")
+    assert_user_error(run("prune-channels", other, "--plan", plan, "-o", tmp_path / "c.onnx",
+                          "--out", tmp_path / "r3"),
+                      "The plan was made for model", tmp_path / "c.onnx", tmp_path / "r3")
+
+
+def test_reference_budget_reuses_another_plans_counts(tiny, tmp_path):
+    folder, model, data = tiny
+    ref = tmp_path / "ref.json"
+    assert run("prune-channels", model, "--ratio", 0.4, "--score", "magnitude", "--budget",
+               "global", "-o", tmp_path / "g.onnx", "--plan-out", ref,
+               "--out", tmp_path / "r1").exit_code == 0
+    result = run("prune-channels", model, "--score", "peer", "--data", data, "--budget",
+                 "reference", "--reference", ref, "-o", tmp_path / "p.onnx", "--plan-out",
+                 tmp_path / "p.json", "--out", tmp_path / "r2")
+    assert result.exit_code == 0, result.output
+    want = json.loads(ref.read_text())
+    got = json.loads((tmp_path / "p.json").read_text())
+    assert {g: len(c) for g, c in got["removed"].items() if c} == {
+        g: len(c) for g, c in want["removed"].items() if c}
+    assert got["flops_after"] == want["flops_after"]  # FLOPs-matched with the reference
+
+
+def test_prune_channels_refusals(tiny, tmp_path, monkeypatch):
+    folder, model, data = tiny
+    before = model.read_bytes()
+    out, rep = tmp_path / "x.onnx", tmp_path / "rep"
+    assert_user_error(run("prune-channels", model, "-o", model, "--out", rep),
+                      "never overwrites an input", rep)
+    assert model.read_bytes() == before
+    assert_user_error(run("prune-channels", model, "--score", "relevance", "-o", out,
+                          "--out", rep), "needs calibration data", out, rep)
+    assert_user_error(run("prune-channels", model, "--score", "magnitude", "--finetune",
+                          "-o", out, "--out", rep), "--train-data", out, rep)
+    assert_user_error(run("prune-channels", model, "--plan", tmp_path / "none.json", "-o", out,
+                          "--out", rep), "Cannot read pruning plan", out, rep)
+    out.write_bytes(b"keep me")
+    assert_user_error(run("prune-channels", model, "--score", "magnitude", "-o", out,
+                          "--out", rep), "already exists; pass --overwrite", rep)
+    assert out.read_bytes() == b"keep me"
+    result = run("prune-channels", model, "--score", "magnitude", "-o", out, "--out", rep,
+                 "--overwrite")
+    assert result.exit_code == 0 and out.read_bytes() != b"keep me"
+    assert_user_error(run("prune-channels", model, "--score", "magnitude", "-o",
+                          tmp_path / "y.onnx", "--plan-out", tmp_path / "y.onnx.json",
+                          "--out", tmp_path / "rep2"), "collides", tmp_path / "y.onnx")
+    # without onnxruntime.training (the main environment) --finetune says how to install it
+    monkeypatch.setitem(sys.modules, "onnxruntime.training", None)
+    assert_user_error(run("prune-channels", model, "--score", "magnitude", "--finetune",
+                          "--train-data", data, "-o", tmp_path / "z.onnx", "--out",
+                          tmp_path / "rep3"), "pip install -e '.[training]'",
+                      tmp_path / "z.onnx", tmp_path / "rep3")
+
+
+def test_normalized_auc_closed_forms():
+    kept = [1.0, 0.75, 0.5, 0.25]
+    assert normalized_auc(kept, [0.8] * 4, 0.8) == pytest.approx(1.0)
+    # linear fall from dense at 1.0 to 0 at 0.25: half of the rectangle
+    assert normalized_auc(kept, [0.8, 0.8 * 2 / 3, 0.8 / 3, 0.0], 0.8) == pytest.approx(0.5)
+    # hand trapezoid, unsorted input
+    acc = {1.0: 0.9, 0.5: 0.6, 0.75: 0.3}
+    area = 0.25 * (0.3 + 0.6) / 2 + 0.25 * (0.9 + 0.3) / 2
+    got = normalized_auc(list(acc), list(acc.values()), 0.9)
+    assert got == pytest.approx(area / (0.9 * 0.5))
+    assert normalized_auc([1.0], [0.9], 0.9) is None
+
+
+def test_prune_sweep_one_statistics_pass_flops_matched(tiny, tmp_path, monkeypatch):
+    folder, model, data = tiny
+    calls = []
+    real = prune_report.stat_scores
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(prune_report, "stat_scores", counting)
+    result = run("prune-sweep", model, "--ratios", "0.25,0.5", "--scores",
+                 "magnitude,ix,relevance,peer,random", "--data", data, "--eval-data", data,
+                 "--out", tmp_path / "sw", "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert len(calls) == 1  # statistics once per sweep, not once per cell
+    sweep = json.loads(result.stdout)["prune_sweep"]
+    assert len(sweep["rows"]) == 10
+    assert all(v["matched"] for v in sweep["flops_matched"].values())
+    for sc, entry in sweep["auc"].items():
+        mine = [r for r in sweep["rows"] if r["score"] == sc]
+        kept = [1.0] + [r["kept_fraction"] for r in mine]
+        accs = [sweep["dense_accuracy"]] + [r["accuracy_before"] for r in mine]
+        assert entry["before"] == pytest.approx(
+            normalized_auc(kept, accs, sweep["dense_accuracy"]))
+    assert set(sweep["local_vs_target"]["before"]) >= {"best_local", "local_minus_target_pp"}
+    csv_lines = (tmp_path / "sw" / "sweep.csv").read_text().strip().splitlines()
+    assert len(csv_lines) == 11 and csv_lines[0].startswith("score,ratio,kept_fraction")
+    text = (tmp_path / "sw" / "report.txt").read_text()
+    assert "best local-axis" in text and "AUC" in text
+
+
+def test_prune_sweep_reference_budget_is_flops_matched_global_is_not_required(tiny, tmp_path):
+    folder, model, data = tiny
+    result = run("prune-sweep", model, "--ratios", "0.5", "--scores", "magnitude,random",
+                 "--budget", "reference", "--eval-data", data, "--out", tmp_path / "r",
+                 "--format", "json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["prune_sweep"]["rows"]
+    assert rows[0]["channels_removed"] == rows[1]["channels_removed"]
+    assert rows[0]["flops_ratio"] == rows[1]["flops_ratio"]
+
+
+def test_prune_sweep_refusals(tiny, tmp_path):
+    folder, model, data = tiny
+    rep = tmp_path / "rep"
+    assert_user_error(run("prune-sweep", model, "--scores", "magnitude,lion", "--eval-data",
+                          data, "--out", rep), "Unknown score 'lion'", rep)
+    assert_user_error(run("prune-sweep", model, "--ratios", "0.5,1.2", "--eval-data", data,
+                          "--out", rep), "must be in (0, 1)", rep)
+    assert_user_error(run("prune-sweep", model, "--scores", "ix", "--eval-data", data,
+                          "--out", rep), "need calibration data", rep)
+    assert_user_error(run("prune-sweep", model, "--scores", "random", "--eval-data", data,
+                          "--finetune", "--out", rep), "--train-data", rep)
+    result = run("prune-sweep", model, "--ratios", "a,b", "--eval-data", data)
+    assert result.exit_code == 2 and "--ratios" in result.output
+
+
+# -- fine-tuning: runs in CI's training environment ------------------------------------------
+@pytest.fixture(scope="module")
+def training():
+    if os.environ.get("ONNXDIAG_REQUIRE_TRAINING") == "1":
+        import onnxruntime.training
+
+        return onnxruntime.training
+    return pytest.importorskip("onnxruntime.training")
+
+
+def test_prune_channels_finetune_recovers_and_loads_in_plain_ort(training, tiny, tmp_path):
+    import onnxruntime as ort
+
+    folder, model, data = tiny
+    out = tmp_path / "ft.onnx"
+    result = run("prune-channels", model, "--ratio", 0.5, "--score", "magnitude", "--eval-data",
+                 data, "--finetune", "--train-data", data, "--epochs", 3, "--lr", 1e-2,
+                 "--batch-size", 32, "-o", out, "--out", tmp_path / "rep")
+    assert result.exit_code == 0, result.output
+    ft = json.loads((tmp_path / "ft.onnx.json").read_text())["finetune"]
+    assert ft["steps"] == 15 and ft["epoch_losses"][-1] < ft["epoch_losses"][0]
+    assert ft["eval_loss_after"] < ft["eval_loss_before"]
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    x = np.load(data)["x"][:4]
+    assert session.run(None, {"x": x})[0].shape == (4, corpus.N_CLASSES)
+
+
+def test_prune_sweep_finetune_reports_accuracy_after_recovery(training, tiny, tmp_path):
+    folder, model, data = tiny
+    result = run("prune-sweep", model, "--ratios", "0.5", "--scores", "magnitude,random",
+                 "--eval-data", data, "--finetune", "--train-data", data, "--epochs", 1,
+                 "--max-batches", 3, "--lr", 1e-2, "--out", tmp_path / "sw", "--format", "json")
+    assert result.exit_code == 0, result.output
+    sweep = json.loads(result.stdout)["prune_sweep"]
+    assert all(0 <= r["accuracy_after"] <= 1 for r in sweep["rows"])
+    assert all(v["after"] is not None for v in sweep["auc"].values())
+    assert 0 <= sweep["dense_accuracy_after_recovery"] <= 1  # the after-curve's reference
