@@ -14,6 +14,19 @@ REPAIR_CHOICES = ("none", "bn", "cr", "cr+bn", "layer-cr", "layer-cr+bn", "shrun
                   "shrunk-cr+bn")
 
 
+def _positions_option(ctx, param, value):
+    """``--rr-positions``: a positive integer or 'all' (returned as None)."""
+    if value is None or str(value).strip().lower() == "all":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise click.BadParameter(f"expected a positive integer or 'all', got {value!r}.")
+    return n
+
+
 def rr_options(f):
     """Options shared by the verbs that allocate: dense layers, the rr rule, the repair."""
     for opt in reversed([
@@ -21,6 +34,10 @@ def rr_options(f):
                      help="Leave this layer dense (repeatable), e.g. the stem or the head."),
         click.option("--rr-images", type=click.IntRange(min=1), default=64, show_default=True,
                      help="Calibration images for the RR curves (SPEC C2)."),
+        click.option("--rr-positions", default="16", show_default=True, metavar="N|all",
+                     callback=_positions_option,
+                     help="Conv output positions per image (seeded by --seed) whose patches "
+                          "enter the RR moments; 'all' = every position (exact, slower)."),
         click.option("--rr-prior", type=click.Choice(["erk", "lamp"]), default="erk",
                      show_default=True, help="Prior allocation the rr rule modulates."),
         click.option("--rr-gamma", type=float, default=1.0, show_default=True,

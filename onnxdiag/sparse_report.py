@@ -25,8 +25,8 @@ DEFAULT_BAND = "0.1:0.9:0.1,0.91:0.99:0.01"
 #: Sparsities shown as columns of the RR text table (the JSON / CSV hold the whole grid).
 TABLE_SPARSITIES = (0.5, 0.8, 0.9, 0.95, 0.99)
 #: Echoed into every report (SPEC: "our default" choices are parameters).
-DEFAULTS = dict(rr_images=64, rr_eps=1e-12, alpha_cap=100.0, rr_prior="erk", rr_gamma=1.0,
-                rr_cap=0.99, recalibrate="affected", band_hi=0.9, band_lo=0.5,
+DEFAULTS = dict(rr_images=64, rr_positions=16, rr_eps=1e-12, alpha_cap=100.0, rr_prior="erk",
+                rr_gamma=1.0, rr_cap=0.99, recalibrate="affected", band_hi=0.9, band_lo=0.5,
                 band_repair="cr+bn", cts_baseline="bn")
 CTS_NOTE = ("CTS compares CR+BN with BN-only; every pruned conv here feeds a BatchNormalization, "
             "where SPEC C4 measured CTS as noise (CR+BN ~ BN-only): read the agreement band.")
@@ -52,14 +52,20 @@ def _setup(model, *, data, labels, limit, seed, batch_size, head, features):
     return m, structure, specs, calib, materialize(calib)
 
 
-def _curves(m, layers, feeds, *, grid=None, n_images=64, providers=None, progress=False):
+def _curves(m, layers, feeds, *, grid=None, n_images=64, positions=16, seed=0,
+            providers=None, progress=False):
+    """RR curves on the first ``n_images`` calibration images, each conv's moments over
+    ``positions`` seeded output positions per image (None / "all": every position)."""
     from .sparsity import DEFAULT_GRID, compute_rr_curves
+    from .sparsity.repairability import parse_positions
 
     grid = DEFAULT_GRID if grid is None else grid
+    positions = parse_positions(positions)
+    where = "every position" if positions is None else f"{positions} positions per image"
     _say(progress, f"RR curves: {len(layers)} layers x {len(grid)} sparsities on "
-                   f"{n_images} calibration images (one capture pass)")
+                   f"{n_images} calibration images, {where} (one capture pass)")
     return compute_rr_curves(m, layers, feeds, grid=grid, n_images=n_images,
-                             providers=providers)
+                             positions=positions, seed=seed, providers=providers)
 
 
 def _pruner(m, structure, feeds, *, keep_dense, curves, rr_prior, rr_gamma, rr_cap,
@@ -92,6 +98,14 @@ def _cell_printer(enabled: bool):
             what += f" ({cell.seconds:.1f} s)"
         _say(True, f"[{i}/{total}] S={cell.sparsity:g} {cell.allocation} {cell.repair}: {what}")
     return show
+
+
+def _positions(positions):
+    """``rr_positions`` as echoed in the parameters: an int, or "all"."""
+    from .sparsity.repairability import parse_positions
+
+    value = parse_positions(positions)
+    return "all" if value is None else value
 
 
 def _needs_rr(rules) -> bool:
@@ -129,7 +143,8 @@ def _cts_text(tr: dict, all_bn: bool) -> list[str]:
 
 # --------------------------------------------------------------------------- rr
 
-def rr_report(model, *, data, labels=None, grid=None, rr_images=64, band_sparsity=DEFAULT_BAND,
+def rr_report(model, *, data, labels=None, grid=None, rr_images=64, rr_positions=16,
+              band_sparsity=DEFAULT_BAND,
               allocation="rr", keep_dense=(), rr_prior="erk", rr_gamma=1.0, rr_cap=0.99,
               force_projection=False, alpha_cap=100.0, recalibrate="affected", limit=None,
               seed=0, batch_size=64, providers=None, head=None, features=None, out=None,
@@ -138,8 +153,9 @@ def rr_report(model, *, data, labels=None, grid=None, rr_images=64, band_sparsit
 
     ``grid``: RR sparsities (default SPEC C2's 28 points); ``band_sparsity``: global
     sparsities of the label-free scan (None or "none": no scan), each pruned with
-    ``allocation`` and repaired with CR+BN and BN-only. Writes report.json, report.txt,
-    rr_curves.csv and (with the scan) transition.csv.
+    ``allocation`` and repaired with CR+BN and BN-only. ``rr_positions``: conv output
+    positions per image sampled (with ``seed``) for the RR moments, or "all" / None (exact).
+    Writes report.json, report.txt, rr_curves.csv and (with the scan) transition.csv.
     """
     from .model_io import model_hash
     from .sparsity import RULES, find_prunable
@@ -154,8 +170,8 @@ def rr_report(model, *, data, labels=None, grid=None, rr_images=64, band_sparsit
                                            seed=seed, batch_size=batch_size, head=head,
                                            features=features)
     layers = find_prunable(structure, keep_dense)
-    curves = _curves(m, layers, feeds, grid=rr_grid, n_images=rr_images, providers=providers,
-                     progress=progress)
+    curves = _curves(m, layers, feeds, grid=rr_grid, n_images=rr_images,
+                     positions=rr_positions, seed=seed, providers=providers, progress=progress)
     section = {"curves": curves.to_dict(), "layers": _layer_rows(curves, layers),
                "keep_dense": list(keep_dense), "transition": None}
     methods = ["cr+bn", "bn"]
@@ -171,6 +187,7 @@ def rr_report(model, *, data, labels=None, grid=None, rr_images=64, band_sparsit
                                  "cells": [c.to_dict() for c in cells],
                                  "all_convs_feed_bn": _all_bn(structure, layers)}
     params = dict(data=data, labels=labels, grid=list(curves.grid), rr_images=rr_images,
+                  rr_positions=_positions(rr_positions),
                   band_sparsity=None if band is None else list(band), allocation=allocation,
                   keep_dense=list(keep_dense), rr_prior=rr_prior, rr_gamma=rr_gamma,
                   rr_cap=rr_cap, force_projection=force_projection, alpha_cap=alpha_cap,
@@ -207,8 +224,10 @@ def render_rr(section: dict) -> str:
              **{f"RR {s:g}": r[f"rr@{s:g}"] for s in TABLE_SPARSITIES},
              "D_raw 0.9": r["d_raw@0.9"], "D_rep 0.9": r["d_repair@0.9"]}
             for r in section["layers"]]
+    pos = c.get("positions")
+    where = "every position" if pos is None else f"{pos} conv positions per image"
     lines = [f"== Relative repairability (SPEC C2), {len(c['layers'])} layers, "
-             f"{len(c['grid'])} sparsities, {c['n_images']} calibration images ==",
+             f"{len(c['grid'])} sparsities, {c['n_images']} calibration images, {where} ==",
              render_table(rows).rstrip(),
              "RR = D_repair / D_raw: low = the damage is mostly a per-channel scale/shift that "
              "CR+BN removes. Whole curves: rr_curves.csv."]
@@ -279,7 +298,7 @@ def _check_model_output(output, protect, overwrite: bool) -> Path:
 
 def prune_report_sparse(model, *, output, sparsity, allocation="rr", repair="cr+bn", data,
                         labels=None, eval_data=None, eval_labels=None, keep_dense=(),
-                        rr_images=64, rr_prior="erk", rr_gamma=1.0, rr_cap=0.99,
+                        rr_images=64, rr_positions=16, rr_prior="erk", rr_gamma=1.0, rr_cap=0.99,
                         force_projection=False, alpha_cap=100.0, recalibrate="affected",
                         sparse_initializers=False, limit=None, seed=0, batch_size=64,
                         providers=None, head=None, features=None, out=None, overwrite=False,
@@ -313,8 +332,9 @@ def prune_report_sparse(model, *, output, sparsity, allocation="rr", repair="cr+
     from .sparsity import find_prunable
 
     layers = find_prunable(structure, keep_dense)
-    curves = _curves(m, layers, feeds, n_images=rr_images, providers=providers,
-                     progress=progress) if allocation.startswith("rr") else None
+    curves = None if not allocation.startswith("rr") else _curves(
+        m, layers, feeds, n_images=rr_images, positions=rr_positions, seed=seed,
+        providers=providers, progress=progress)
     pruner = _pruner(m, structure, feeds, keep_dense=keep_dense, curves=curves,
                      rr_prior=rr_prior, rr_gamma=rr_gamma, rr_cap=rr_cap,
                      force_projection=force_projection, alpha_cap=alpha_cap,
@@ -330,7 +350,8 @@ def prune_report_sparse(model, *, output, sparsity, allocation="rr", repair="cr+
                         dense_hash=model_hash(m))
     params = dict(output=str(output), sparsity=sparsity, allocation=allocation, repair=repair,
                   data=data, labels=labels, eval_data=eval_data, eval_labels=eval_labels,
-                  keep_dense=list(keep_dense), rr_images=rr_images, rr_prior=rr_prior,
+                  keep_dense=list(keep_dense), rr_images=rr_images,
+                  rr_positions=_positions(rr_positions), rr_prior=rr_prior,
                   rr_gamma=rr_gamma, rr_cap=rr_cap, force_projection=force_projection,
                   alpha_cap=alpha_cap, recalibrate=recalibrate,
                   sparse_initializers=sparse_initializers, limit=limit, seed=seed,
@@ -458,7 +479,7 @@ def render_prune_sparse(info: dict) -> str:
 
 def sweep_report(model, *, sparsity, allocations="all", repairs="cr+bn,bn,none", data,
                  labels=None, eval_data=None, eval_labels=None, keep_dense=(), rr_images=64,
-                 rr_prior="erk", rr_gamma=1.0, rr_cap=0.99, force_projection=False,
+                 rr_positions=16, rr_prior="erk", rr_gamma=1.0, rr_cap=0.99, force_projection=False,
                  alpha_cap=100.0, recalibrate="affected", limit=None, seed=0, batch_size=64,
                  providers=None, head=None, features=None, out=None, overwrite=False,
                  write=True, progress=True) -> CommandResult:
@@ -484,8 +505,8 @@ def sweep_report(model, *, sparsity, allocations="all", repairs="cr+bn,bn,none",
     from .sparsity import find_prunable
 
     layers = find_prunable(structure, keep_dense)
-    curves = _curves(m, layers, feeds, n_images=rr_images, providers=providers,
-                     progress=progress) if _needs_rr(rules) else None
+    curves = _curves(m, layers, feeds, n_images=rr_images, positions=rr_positions, seed=seed,
+                     providers=providers, progress=progress) if _needs_rr(rules) else None
     pruner = _pruner(m, structure, feeds, keep_dense=keep_dense, curves=curves,
                      rr_prior=rr_prior, rr_gamma=rr_gamma, rr_cap=rr_cap,
                      force_projection=force_projection, alpha_cap=alpha_cap,
@@ -501,7 +522,8 @@ def sweep_report(model, *, sparsity, allocations="all", repairs="cr+bn,bn,none",
     section["rr_curves"] = None if curves is None else curves.to_dict()
     params = dict(sparsity=list(grid), allocations=rules, repairs=methods, data=data,
                   labels=labels, eval_data=eval_data, eval_labels=eval_labels,
-                  keep_dense=list(keep_dense), rr_images=rr_images, rr_prior=rr_prior,
+                  keep_dense=list(keep_dense), rr_images=rr_images,
+                  rr_positions=_positions(rr_positions), rr_prior=rr_prior,
                   rr_gamma=rr_gamma, rr_cap=rr_cap, force_projection=force_projection,
                   alpha_cap=alpha_cap, recalibrate=recalibrate, limit=limit, seed=seed,
                   batch_size=batch_size, providers=providers, head=head, features=features,
@@ -616,15 +638,16 @@ def _fmt_ranges(rg) -> str:
 
 def repairability_section(model, source, *, structure=None, sparsities=(0.5, 0.9, 0.95),
                           target=0.9, n_images=64, keep_dense=(),
-                          transition_grid=(0.5, 0.7, 0.8, 0.9, 0.95), providers=None
-                          ) -> tuple[dict, str]:
+                          transition_grid=(0.5, 0.7, 0.8, 0.9, 0.95), providers=None,
+                          positions=16) -> tuple[dict, str]:
     """The repairability section of ``onnxdiag analyze``: (JSON-ready dict, text).
 
     Per prunable layer RR at ``sparsities``; the ``rr`` allocation at ``target`` next to
     its ERK prior (the suggested allocation); with ``transition_grid`` (None: skip) the
     label-free agreement band and CTS from ``rr`` + CR+BN / BN-only on the first
     ``n_images`` calibration samples.  ``model``: a path or ModelProto (never modified);
-    ``source``: a DataSource or an iterable of feed dicts.
+    ``source``: a DataSource or an iterable of feed dicts; ``positions``: conv output
+    positions per image for the RR moments (None: every position).
     """
     from .graph import analyze_structure
     from .model_io import load_model
@@ -636,7 +659,7 @@ def repairability_section(model, source, *, structure=None, sparsities=(0.5, 0.9
     layers = find_prunable(structure, keep_dense)
     feeds = materialize(source, n_images)
     curves = _curves(m, layers, feeds, grid=sorted(set(_rr_grid()) | set(sparsities)),
-                     n_images=n_images, providers=providers)
+                     n_images=n_images, positions=positions, providers=providers)
     pruner = _pruner(m, structure, feeds, keep_dense=keep_dense, curves=curves,
                      rr_prior="erk", rr_gamma=1.0, rr_cap=0.99, force_projection=False,
                      alpha_cap=100.0, recalibrate="affected", providers=providers)

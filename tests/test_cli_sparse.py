@@ -151,3 +151,27 @@ def test_rr_format_csv_prints_the_curves(corpus_files, tmp_path):
     assert lines[0] == "layer,sparsity,d_raw,d_repair,rr"
     assert len(lines) == 1 + 7 * 3  # 6 convs + the head, 3 grid points
     assert not (tmp_path / "rep" / "transition.csv").exists()
+
+
+@pytest.mark.parametrize("value, expected", [("all", None), ("5", 5)])
+def test_rr_positions_option(corpus_files, tmp_path, value, expected):
+    out = tmp_path / "rep"
+    result = run("rr", corpus_files / "res.onnx", "--data", corpus_files / "calib.npz",
+                 "--rr-images", 8, "--rr-positions", value, "--band-sparsity", "none",
+                 "--grid", "0,0.5,0.9", "--out", out)
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    params = report["metadata"]["parameters"]
+    assert params["rr_positions"] == (value if expected is None else expected)
+    assert params["defaults"]["rr_positions"] == 16
+    curves = report["repairability"]["curves"]
+    assert curves["positions"] == expected
+    # the stem sees 8x8 = 64 output positions per image: all of them, or 5 sampled
+    assert curves["n_samples"][0] == 8 * (64 if expected is None else expected)
+
+
+def test_rr_positions_rejects_non_positive(corpus_files, tmp_path):
+    result = run("rr", corpus_files / "res.onnx", "--data", corpus_files / "calib.npz",
+                 "--rr-positions", "0", "--out", tmp_path / "rep")
+    assert result.exit_code == 2 and "positive integer or 'all'" in result.output
+    assert not (tmp_path / "rep").exists()

@@ -120,6 +120,7 @@ def test_rr_report_curves_table_csv_and_band(files, tmp_path):
     rr = np.array(sec["curves"]["rr"])
     assert rr.shape == (len(names), 28) and np.allclose(rr[:, 0], 1.0)  # RR(l, 0) = 1
     assert np.allclose(np.array(sec["curves"]["d_raw"])[:, 0], 0.0)
+    assert sec["curves"]["positions"] == 16 == res.report["metadata"]["parameters"]["rr_positions"]
     csv_lines = (out / "rr_curves.csv").read_text().strip().splitlines()
     assert csv_lines[0] == "layer,sparsity,d_raw,d_repair,rr" and len(csv_lines) == 1 + rr.size
     tr = sec["transition"]
@@ -135,6 +136,9 @@ def test_rr_report_validates_before_work(files, tmp_path):
     with pytest.raises(OnnxDiagError, match="outside"):
         rr_report(str(files["res"]), data=str(files["calib"]), band_sparsity="2",
                   write=False, progress=False)
+    with pytest.raises(OnnxDiagError, match="positive integer or 'all'"):
+        rr_report(str(files["res"]), data=str(files["calib"]), rr_positions=-2,
+                  band_sparsity="none", write=False, progress=False)
 
 
 # -- prune ------------------------------------------------------------------------------------

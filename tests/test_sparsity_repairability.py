@@ -26,8 +26,14 @@ from onnxdiag.sparsity import (
     magnitude_mask,
     read_weights,
 )
-from onnxdiag.sparsity.offline import evaluate_layer, layer_op
-from onnxdiag.sparsity.repairability import PairMoments, distortions
+from onnxdiag.sparsity.offline import conv_columns, evaluate_layer, layer_columns, layer_op
+from onnxdiag.sparsity.repairability import (
+    PairMoments,
+    distortions,
+    parse_positions,
+    sampled_columns,
+)
+from onnxdiag.stats import draw_positions
 
 
 def _conv_geometry_model():
@@ -112,7 +118,7 @@ def test_rr_curves_equal_the_explicit_definition():
     layers = find_prunable(analyze_structure(model))
     calib = _calibration(model)
     grid = (0.0, 0.3, 0.9, 0.99)
-    curves = compute_rr_curves(model, layers, calib, grid=grid)
+    curves = compute_rr_curves(model, layers, calib, grid=grid, positions="all")
     index = GraphIndex(model)
     for la in layers:
         x = np.concatenate([run_ort(model, f, [la.input])[la.input] if la.input not in f
@@ -188,3 +194,122 @@ def test_gram_and_incremental_strategies_agree(build):
     assert a.n_samples == b.n_samples
     with pytest.raises(Exception, match="Unknown RR strategy"):
         compute_rr_curves(model, layers, calib, strategy="fast")
+
+
+# --------------------------------------------------------------------------- position sampling
+
+def _inputs(model, layers, calib):
+    """Each layer's captured dense input over all of ``calib`` (float32, as ORT gives it)."""
+    return {la.node_name: np.concatenate([f[la.input] if la.input in f else run_ort(
+        model, f, [la.input])[la.input] for f in calib]) for la in layers}
+
+
+@pytest.mark.parametrize("build", [_conv_geometry_model, _conv1d_model, depthwise_pointwise])
+def test_sampled_columns_are_the_drawn_rows_of_the_full_im2col(build):
+    """Sampled patches (NumPy or ORT channels-last gather, padding included) are exactly
+    the full im2col's rows at draw_positions' positions, per image, for any batch split."""
+    model = load_model(build())
+    index = GraphIndex(model)
+    calib = [random_feeds(model, batch=5, seed=i) for i in range(2)]
+    for la in [la for la in _weighted_layers(model) if la.op_type == "Conv"]:
+        x = _inputs(model, [la], calib)[la.node_name]
+        op, kernel = layer_op(index, la), tuple(la.kernel)
+        full, lead = conv_columns(op, x, kernel)
+        n_pos = int(np.prod(lead[1:]))
+        k = max(1, n_pos // 3)
+        flat = draw_positions(n_pos, k, seed=7, sample_indices=np.arange(10))
+        want = full.reshape(10, n_pos, *full.shape[1:])[np.arange(10)[:, None], flat]
+        want = want.reshape(-1, *full.shape[1:])
+        last = np.moveaxis(x, 1, -1)
+        for part in (slice(0, 10), slice(0, 4), slice(4, 10)):
+            idx = np.arange(10)[part]
+            rows = slice(idx[0] * k, (idx[-1] + 1) * k)
+            for xl in (None, last[part]):
+                got = sampled_columns(op, x[part], kernel, k, seed=7, sample_indices=idx,
+                                      x_last=xl)
+                np.testing.assert_array_equal(got, want[rows], err_msg=la.node_name)
+        # at least as many positions as the output has: every position, in order
+        np.testing.assert_array_equal(sampled_columns(op, x, kernel, n_pos, seed=7,
+                                                      sample_indices=np.arange(10)), full)
+
+
+def _explicit_rr(op, cols, w, grid):
+    """(D_raw, D_repair) (n_s,) from explicit columns in float64, SPEC C2 definition."""
+    c = cols.astype(np.float64)
+    m = weight_matrix_f64(op, w)
+    yd = _apply64(c, m)
+    out = []
+    for s in grid:
+        yp = _apply64(c, weight_matrix_f64(op, w * magnitude_mask(w, s)))
+        sd, sp = yd.std(axis=0), yp.std(axis=0)
+        keep = sp > 1e-6 * sd
+        yhat = np.where(keep, yd.mean(0) + sd / np.where(keep, sp, 1) * (yp - yp.mean(0)),
+                        yd.mean(0))
+        total = yd.var(0).sum()
+        out.append((((yd - yp) ** 2).mean(0).sum() / total,
+                    ((yd - yhat) ** 2).mean(0).sum() / total))
+    return np.array(out)
+
+
+def weight_matrix_f64(op, w):
+    from onnxdiag.sparsity.offline import weight_matrix
+    return weight_matrix(op, w).astype(np.float64)
+
+
+def _apply64(cols, matrix):
+    return np.concatenate([cols[:, g, :] @ matrix[g] for g in range(cols.shape[1])], axis=1)
+
+
+@pytest.mark.parametrize("strategy", ["gram", "incremental"])
+def test_sampled_rr_equals_the_definition_on_the_sampled_patches(strategy):
+    """With sampling, D_raw / D_repair are the SPEC C2 moments over exactly the sampled
+    patches (so the sampled Σ_X is the explicit one), for both evaluation schemes; with
+    positions='all' they equal the every-position two-pass definition in float64 to 1e-6
+    (one-pass float64 Gram moments; float32 dense outputs for incremental)."""
+    tol = 1e-6
+    model = load_model(residual_block())
+    layers = find_prunable(analyze_structure(model))
+    calib = [random_feeds(model, batch=4, seed=i) for i in range(3)]
+    grid = (0.0, 0.3, 0.8, 0.95)
+    sampled = compute_rr_curves(model, layers, calib, grid=grid, positions=5, seed=3,
+                                strategy=strategy)
+    exact = compute_rr_curves(model, layers, calib, grid=grid, positions="all",
+                              strategy=strategy)
+    assert (sampled.positions, sampled.seed, exact.positions) == (5, 3, None)
+    index = GraphIndex(model)
+    xs = _inputs(model, layers, calib)
+    for i, la in enumerate(layers):
+        op, w = layer_op(index, la), index.get_constant(la.weight).astype(np.float32)
+        x = xs[la.node_name]
+        full = layer_columns(op, x, tuple(w.shape[2:]))[0]
+        cols = sampled_columns(op, x, tuple(w.shape[2:]), 5, seed=3,
+                               sample_indices=np.arange(len(x)))
+        ref = _explicit_rr(op, cols, w, grid)
+        np.testing.assert_allclose(sampled.d_raw[i], ref[:, 0], rtol=1e-4, atol=1e-9)
+        np.testing.assert_allclose(sampled.d_repair[i], ref[:, 1], rtol=1e-4, atol=1e-9)
+        assert sampled.n_samples[i] == len(cols)
+        ref = _explicit_rr(op, full, w, grid)
+        np.testing.assert_allclose(exact.d_raw[i], ref[:, 0], rtol=tol, atol=1e-12)
+        np.testing.assert_allclose(exact.d_repair[i], ref[:, 1], rtol=tol, atol=1e-12)
+        assert exact.n_samples[i] == len(full)
+
+
+def test_sampled_rr_is_close_to_exact_and_batch_split_invariant():
+    model = load_model(residual_block())
+    layers = find_prunable(analyze_structure(model))
+    calib = [random_feeds(model, batch=16, seed=i) for i in range(4)]
+    exact = compute_rr_curves(model, layers, calib, positions="all")
+    sampled = compute_rr_curves(model, layers, calib)  # default: 16 of 64 positions
+    assert sampled.positions == 16 and sampled.n_samples[0] == 64 * 16
+    assert np.abs(sampled.rr - exact.rr).max() < 0.05
+    whole = compute_rr_curves(model, layers, [{"x": np.concatenate([f["x"] for f in calib])}])
+    np.testing.assert_allclose(whole.rr, sampled.rr, rtol=1e-4, atol=1e-6)
+    assert np.abs(compute_rr_curves(model, layers, calib, seed=1).rr - sampled.rr).max() > 0
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "some", "16x"])
+def test_positions_must_be_a_positive_integer_or_all(bad):
+    assert parse_positions("all") is None and parse_positions(None) is None
+    assert parse_positions("8") == 8
+    with pytest.raises(Exception, match="positive integer or 'all'"):
+        parse_positions(bad)

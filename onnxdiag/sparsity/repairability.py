@@ -14,6 +14,16 @@ Per channel E[(y^d − ŷ)²] = 2σ^d²(1 − corr(y^d, y^p)); a channel with σ
 restored to its mean, error σ^d² (**our default** for that 0/0; σ^p < 1e-6·σ^d counts as 0).
 Only the per-channel moments of (y^d, y^d − y^p) are accumulated, batch by batch (memory
 O(L·|grid|·C)).
+
+Position sampling (``positions``, **our default** 16 per image): a conv's moments are
+taken over ``positions`` output positions per image drawn by
+:func:`onnxdiag.stats.draw_positions` (a counter-based hash of (seed, image index, draw),
+with replacement; the same positions for an image whatever batch it arrives in), and
+only those positions' patches are gathered.  A layer whose output has at most
+``positions`` positions per image, every linear layer, and ``positions=None`` / "all"
+use every position (exact).  The sampled moments estimate the all-position ones; RR
+is then a ratio of estimates (see benchmarks/sections/issue5_bench.md for the measured
+error on the bundled model).
 """
 
 from __future__ import annotations
@@ -28,13 +38,23 @@ from ..graph import GraphIndex
 from ..graph._records import jsonable
 from ..instrument import expose_tensors
 from ..runner import OrtRunner
+from ..stats import draw_positions
 from .budget import prune_count
 from .masks import magnitude_order
-from .offline import apply_columns, layer_columns, layer_op, weight_matrix
+from .offline import (
+    _resolve_pads,
+    apply_columns,
+    conv_columns,
+    layer_columns,
+    layer_op,
+    weight_matrix,
+)
 
 #: SPEC C2 default grid: {0, 0.05, …, 0.9} ∪ {0.91, …, 0.99} (28 points).
 DEFAULT_GRID = tuple(round(0.05 * i, 2) for i in range(19)) + tuple(
     round(0.91 + 0.01 * i, 2) for i in range(9))
+#: Output positions per image sampled for a conv's moments (**our default**; None = all).
+DEFAULT_POSITIONS = 16
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,8 +63,9 @@ class RRCurves:
 
     Fields: ``layers`` (L,) names; ``grid`` (n_s,); ``d_raw`` / ``d_repair`` / ``rr`` (L, n_s);
     ``n_weights`` (L,); ``n_images`` calibration images; ``n_samples`` (L,) rows (images ×
-    positions) per layer; ``eps`` (SPEC C2's ε).  Between grid points values are linearly
-    interpolated, outside the grid clamped to the end values.
+    positions) per layer; ``eps`` (SPEC C2's ε); ``positions`` output positions sampled per
+    image (None: every position) and ``seed`` of that draw.  Between grid points values are
+    linearly interpolated, outside the grid clamped to the end values.
     """
 
     layers: tuple[str, ...]
@@ -56,6 +77,8 @@ class RRCurves:
     n_images: int
     n_samples: tuple[int, ...]
     eps: float = 1e-12
+    positions: int | None = None
+    seed: int = 0
 
     def get_index(self, layer: str) -> int:
         """Row of ``layer``; OnnxDiagError listing the layers otherwise."""
@@ -80,7 +103,7 @@ class RRCurves:
     def to_dict(self) -> dict:
         return {k: jsonable(getattr(self, k)) for k in (
             "layers", "grid", "d_raw", "d_repair", "rr", "n_weights", "n_images", "n_samples",
-            "eps")}
+            "eps", "positions", "seed")}
 
 
 class PairMoments:
@@ -153,44 +176,62 @@ def distortions(acc: PairMoments) -> tuple[float, float]:
 
 def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int = 64,
                       eps: float = 1e-12, providers=None, threads: int | None = None,
-                      label: str | None = None, strategy: str = "auto") -> RRCurves:
+                      label: str | None = None, strategy: str = "auto",
+                      positions: int | str | None = DEFAULT_POSITIONS, seed: int = 0) -> RRCurves:
     """RR curves of ``layers`` (prunable :class:`~onnxdiag.graph.Layer` records) (SPEC C2).
 
     Args:
         model: the dense model (never modified); source: a DataSource (``batches()``) or
             an iterable of feed dicts; the first ``n_images`` samples are used.
         grid: sparsities (sorted, in [0, 1)); masks are :func:`magnitude_mask` at each s.
+        positions: conv output positions per image whose patches enter the moments
+            (seeded draw, see the module docstring); None or "all": every position (exact).
+        seed: seed of the position draw (image i's positions depend on (seed, i) only).
 
     Cost: one ONNX Runtime pass exposing the layers' inputs, then per batch and layer one
-    im2col and either (``strategy``) ``incremental``: the removed weights' output grown
-    level by level (sparse products adding up to one dense evaluation) with per-level
-    moments, or ``gram``: the columns' (K × K) second moments, every level then being
-    quadratic forms of the weights (exact, cheap for small K = C_in/groups·Πkernel).
-    ``auto`` picks per layer by an operation count (:func:`choose_strategy`).
+    im2col (of the sampled positions only) and either (``strategy``) ``incremental``: the
+    removed weights' output grown level by level (sparse products adding up to one dense
+    evaluation) with per-level moments, or ``gram``: the columns' (K × K) second moments,
+    every level then being quadratic forms of the weights (exact, cheap for small
+    K = C_in/groups·Πkernel).  ``auto`` picks per layer by an operation count
+    (:func:`choose_strategy`).  With sampling, the Gram products run in float32 per batch
+    and are merged in float64; with every position they stay float64 throughout.
     """
     if strategy not in STRATEGIES:
         raise OnnxDiagError(f"Unknown RR strategy {strategy!r}; choose one of "
                             f"{', '.join(STRATEGIES)}.")
+    positions = parse_positions(positions)
     grid = np.asarray(sorted(float(s) for s in grid))
     layers = list(layers)
     if not layers:
         raise OnnxDiagError("No prunable layers to compute RR curves for.")
     index = GraphIndex(model)
     plans = [_plan(index, la, grid, strategy) for la in layers]
+    for plan in plans:
+        plan["positions"], plan["seed"] = positions, int(seed)
+        if plan["mode"] == "gram" and positions is not None:
+            plan["gram_dtype"] = np.float32
     inputs = list(dict.fromkeys(la.input for la in layers))
     exposed = [t for t in inputs if t not in index.inputs]
-    runner = OrtRunner(expose_tensors(model, exposed) if exposed else model,
-                       providers=providers, threads=threads)
+    capture = expose_tensors(model, exposed) if exposed else model
+    if positions is not None:  # sampled convs gather C-vectors from a channels-last copy
+        capture, last = _channels_last(capture, {la.input: len(la.kernel) + 2 for la in layers
+                                                 if la.op_type == "Conv"})
+    else:
+        last = {}
+    runner = OrtRunner(capture, providers=providers, threads=threads)
+    fetch = exposed + list(last.values())
     seen = 0
     for feeds in _feed_batches(source, label):
         take = min(n_images - seen, _batch_len(feeds))
         if take <= 0:
             break
         feeds = {k: v[:take] for k, v in feeds.items()}
-        outs = runner.run(feeds, exposed) if exposed else {}
+        outs = runner.run(feeds, fetch) if fetch else {}
         outs.update(feeds)
+        images = np.arange(seen, seen + take)
         for la, plan in zip(layers, plans):
-            _fold_layer(plan, outs[la.input])
+            _fold_layer(plan, outs[la.input], images, outs.get(last.get(la.input)))
         seen += take
     if seen == 0:
         raise DataError("The calibration data is empty; give at least one sample.")
@@ -201,7 +242,93 @@ def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int
     d_raw, d_rep = d[..., 0], d[..., 1]
     return RRCurves(tuple(la.node_name for la in layers), grid, d_raw, d_rep,
                     (d_rep + eps) / (d_raw + eps), tuple(p["n"] for p in plans), seen,
-                    tuple(p["acc"][0].n for p in plans), eps)
+                    tuple(p["acc"][0].n for p in plans), eps, positions, int(seed))
+
+
+def parse_positions(positions) -> int | None:
+    """``positions`` as an int ≥ 1, or None for every position (None or "all")."""
+    if positions is None or (isinstance(positions, str) and positions.strip().lower() == "all"):
+        return None
+    try:
+        value = int(positions)
+    except (TypeError, ValueError):
+        value = 0
+    if value < 1 or (isinstance(positions, float) and positions != value):
+        raise OnnxDiagError(f"RR positions must be a positive integer or 'all'; got "
+                            f"{positions!r}.")
+    return value
+
+
+def sampled_columns(op, x: np.ndarray, kernel: tuple[int, ...], positions: int | None, *,
+                    seed: int, sample_indices, x_last: np.ndarray | None = None) -> np.ndarray:
+    """Columns ``(n·k, groups, K)`` of a conv at k sampled output positions per image.
+
+    Rows are image-major; image i's positions are ``draw_positions(Π out_spatial, positions,
+    seed=seed, sample_indices=[sample_indices[i]])`` (flat, row-major over the output).
+    When ``positions`` is None or the output has at most ``positions`` positions, this is
+    exactly :func:`~onnxdiag.sparsity.offline.conv_columns` (every position, in order).
+    Linear layers: every row (:func:`~onnxdiag.sparsity.offline.layer_columns`).
+    ``x_last``: the same input channels-last ``(n, *spatial, C)`` if at hand (ONNX Runtime
+    transposes it during the capture pass, far faster than NumPy on a busy machine); each
+    patch is then kh·kw gathered C-vectors, zero where it reaches into the padding.
+    """
+    if op.kind != "conv" or positions is None:
+        return layer_columns(op, x, kernel)[0]
+    x = np.asarray(x, dtype=np.float32)
+    if len(kernel) == 1:
+        op = type(op)(op.name, "conv", (1, *op.stride), (0, op.pads[0], 0, op.pads[1]),
+                      (1, *op.dilation), op.groups, op.auto_pad)
+        x, kernel = x[:, :, None, :], (1, *kernel)
+        x_last = None if x_last is None else x_last[:, None]
+    pads = _resolve_pads(op, x.shape[2:], kernel)
+    span = [d * (k - 1) + 1 for d, k in zip(op.dilation, kernel)]
+    h, w = x.shape[2:]
+    ho, wo = (((size + p0 + p1 - sp) // st) + 1 for size, p0, p1, sp, st in zip(
+        (h, w), pads[:2], pads[2:], span, op.stride))
+    if ho * wo <= positions:
+        return conv_columns(op, x, kernel)[0]
+    n, c = x.shape[:2]
+    if x_last is None:
+        x_last = x.transpose(0, 2, 3, 1)
+    x_last = np.ascontiguousarray(x_last, dtype=np.float32).reshape(-1, c)
+    flat = draw_positions(ho * wo, positions, seed=seed, sample_indices=sample_indices)
+    # input coordinates (m, kh·kw) of every patch element; outside the input: padding (0)
+    r = ((flat // wo) * op.stride[0] - pads[0]).reshape(-1, 1, 1) + (
+        np.arange(kernel[0]) * op.dilation[0])[None, :, None]
+    q = ((flat % wo) * op.stride[1] - pads[1]).reshape(-1, 1, 1) + (
+        np.arange(kernel[1]) * op.dilation[1])[None, None, :]
+    inside = ((r >= 0) & (r < h) & (q >= 0) & (q < w)).reshape(r.shape[0], -1)
+    img = np.repeat(np.arange(n), flat.shape[1])[:, None]
+    rows = img * (h * w) + (np.clip(r, 0, h - 1) * w + np.clip(q, 0, w - 1)).reshape(
+        r.shape[0], -1)
+    patches = np.take(x_last, rows, axis=0)  # (m, kh·kw, C)
+    if not inside.all():
+        patches *= inside[..., None]
+    m = rows.shape[0]
+    patches = patches.reshape(m, kernel[0], kernel[1], op.groups, c // op.groups)
+    return patches.transpose(0, 3, 4, 1, 2).reshape(m, op.groups, -1)
+
+
+def _channels_last(model, tensors: dict[str, int]) -> tuple:
+    """``model`` (a copy when nodes are added) with a Transpose to channels-last of each
+    tensor in ``tensors`` (name → rank) exposed as an output; returns (model, name map)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    if not tensors:
+        return model, {}
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    names = {}
+    types = {v.name: v.type.tensor_type.elem_type for v in (*out.graph.input, *out.graph.output)}
+    for i, (name, rank) in enumerate(tensors.items()):
+        names[name] = f"{name}__onnxdiag_rr_channels_last"
+        out.graph.node.append(helper.make_node(
+            "Transpose", [name], [names[name]], name=f"onnxdiag_rr_channels_last_{i}",
+            perm=[0, *range(2, rank), 1]))
+        out.graph.output.append(helper.make_tensor_value_info(
+            names[name], types.get(name) or TensorProto.FLOAT, None))
+    return out, names
 
 
 STRATEGIES = ("auto", "incremental", "gram")
@@ -266,40 +393,55 @@ def _gram_plan(op, w, order, rows, cols, n_cols, groups, grid, n_out) -> dict:
             "acc": [PairMoments(n_out) for _ in grid]}
 
 
-def _fold_gram(plan: dict, x: np.ndarray) -> None:
-    """One batch: Σ (col − shift)(col − shift)ᵀ per group (float64 BLAS) and column sums;
-    the shift (the first batch's column means) keeps the final subtraction well conditioned."""
-    cols, _ = layer_columns(plan["op"], x, plan["kernel"])
-    cols = np.asarray(cols, dtype=np.float64)
+def _fold_gram(plan: dict, cols: np.ndarray, own: bool = False) -> None:
+    """One batch of columns (m, groups, K): Σ (col − shift)(col − shift)ᵀ per group (a
+    symmetric BLAS product in ``plan["gram_dtype"]``, merged into float64) and column sums;
+    the shift (the first batch's column means) keeps the final subtraction well conditioned.
+    ``own``: ``cols`` is a scratch array that may be shifted in place."""
+    dtype = plan.get("gram_dtype", np.float64)
     if plan["shift"] is None:
-        plan["shift"] = cols.mean(axis=0)
-    cols -= plan["shift"]
-    for g in range(plan["groups"]):
-        c = np.ascontiguousarray(cols[:, g, :])
-        plan["gram"][g] += np.dot(c.T, c)  # np.dot uses the symmetric rank-k update
-    plan["sums"] += cols.sum(axis=0)
-    plan["count"] += cols.shape[0]
+        plan["shift"] = cols.mean(axis=0, dtype=np.float64)
+    if own and cols.dtype == dtype:
+        c = np.subtract(cols, plan["shift"].astype(dtype), out=cols)
+    else:
+        c = np.asarray(cols, dtype=dtype) - plan["shift"].astype(dtype)
+    if plan["groups"] == 1:
+        c0 = c[:, 0, :]
+        plan["gram"][0] += c0.T @ c0  # A.T @ A: NumPy uses the symmetric rank-k update
+    else:
+        ct = c.transpose(1, 0, 2)
+        plan["gram"] += np.matmul(ct.transpose(0, 2, 1), ct)
+    plan["sums"] += (np.ones(c.shape[0], dtype) @ c.reshape(c.shape[0], -1)).reshape(
+        plan["sums"].shape)  # a BLAS product: faster than sum(axis=0), same precision
+    plan["count"] += c.shape[0]
 
 
 def _finish_gram(plan: dict) -> None:
     """Fill each level's PairMoments from the column covariance Σ and mean μ (SPEC C2 moments
-    of a = y^d = Wx and b = y^d − y^p = W_r x are quadratic forms: Var a = wᵀΣw, …)."""
+    of a = y^d = Wx and b = y^d − y^p = W_r x are quadratic forms: Var a = wᵀΣw, …): per
+    level one batched (C, K) × (K, K) product per group, O(C·K²), no pass over samples."""
     n = plan["count"]
+    g = plan["groups"]
     centred = plan["sums"] / n
     cov = plan["gram"] / n - np.einsum("gi,gj->gij", centred, centred)
     mean = centred + plan["shift"]
-    grp = plan["group_of"]
     w = plan["dense_rows"]
-    sw = np.einsum("cij,cj->ci", cov[grp], w)
-    var_d = np.einsum("ci,ci->c", w, sw)
-    for acc, wr in zip(plan["acc"], plan["removed_rows"]):
-        swr = np.einsum("cij,cj->ci", cov[grp], wr)
+    c, k = w.shape
+    wg = w.reshape(g, c // g, k)
+    var_d = np.einsum("gok,gok->go", wg, wg @ cov).ravel()
+    mean_a = np.einsum("gok,gk->go", wg, mean).ravel()
+    rem = plan["removed_rows"].reshape(-1, g, c // g, k)
+    srem = rem @ cov  # (levels, g, C/g, K)
+    s_bb = np.einsum("lgok,lgok->lgo", rem, srem).reshape(len(rem), c)
+    s_ab = np.einsum("gok,lgok->lgo", wg, srem).reshape(len(rem), c)
+    mean_b = np.einsum("lgok,gk->lgo", rem, mean).reshape(len(rem), c)
+    for j, acc in enumerate(plan["acc"]):
         acc.n = n
         acc.s_aa = n * var_d
-        acc.s_bb = n * np.einsum("ci,ci->c", wr, swr)
-        acc.s_ab = n * np.einsum("ci,ci->c", w, swr)
-        acc.mean_a = np.einsum("ci,ci->c", w, mean[grp])
-        acc.mean_b = np.einsum("ci,ci->c", wr, mean[grp])
+        acc.s_bb = n * s_bb[j]
+        acc.s_ab = n * s_ab[j]
+        acc.mean_a = mean_a.copy()
+        acc.mean_b = mean_b[j]
 
 
 def _coordinates(op, shape, flat) -> tuple[np.ndarray, np.ndarray, int]:
@@ -312,13 +454,17 @@ def _coordinates(op, shape, flat) -> tuple[np.ndarray, np.ndarray, int]:
     return out, (out // (shape[0] // op.groups)) * per + k, op.groups * per
 
 
-def _fold_layer(plan: dict, x: np.ndarray) -> None:
-    """One batch: y^d once, then y^d − y^p (the removed weights' output) grown step by step
-    over the grid, so all s together cost about one more dense evaluation."""
+def _fold_layer(plan: dict, x: np.ndarray, images: np.ndarray,
+                x_last: np.ndarray | None = None) -> None:
+    """One batch (``images``: the batch's global image indices, for the position draw):
+    the (sampled) columns, then the ``gram`` moments, or y^d once and y^d − y^p (the removed
+    weights' output) grown step by step over the grid, so all s together cost about one
+    more dense evaluation."""
+    cols = sampled_columns(plan["op"], x, plan["kernel"], plan["positions"],
+                           seed=plan["seed"], sample_indices=images, x_last=x_last)
     if plan["mode"] == "gram":
-        _fold_gram(plan, x)
+        _fold_gram(plan, cols, own=not np.may_share_memory(cols, x))
         return
-    cols, _ = layer_columns(plan["op"], x, plan["kernel"])
     dense = centre_rows(apply_columns(cols, plan["dense"]).T)
     cols_t = np.ascontiguousarray(cols.reshape(cols.shape[0], -1).T)
     removed = np.zeros(dense[1].shape)  # (C, P) float64; exact 0 at s = 0
