@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import click
 
-from .cli import _common, _emit, cli, data_options, head_options, output_options, sampling_options
+from .cli import (
+    _common,
+    _emit,
+    cli,
+    data_options,
+    head_options,
+    output_options,
+    sampling_options,
+)
 
 RULE_CHOICES = ("global", "uniform", "erk", "lamp", "rr", "rr-greedy", "rr-marginal")
 REPAIR_CHOICES = ("none", "bn", "cr", "cr+bn", "layer-cr", "layer-cr+bn", "shrunk-cr",
@@ -129,6 +137,12 @@ def prune(model, fmt, **kwargs):
 @head_options
 @rr_options
 @output_options
+@click.option("--jobs", type=click.IntRange(min=1), default=None,
+              help="With --executor local: worker processes (default: one per core).")
+@click.option("--executor", default=None, metavar="local|ray[=ADDRESS]",
+              help="Run each cell as a unit of work: local worker processes, a local Ray "
+                   "instance (ray) or a Ray cluster (ray=HOST:PORT). Default: in this "
+                   "process, one cell after another.")
 def sweep(model, fmt, **kwargs):
     """Accuracy table over sparsity x allocation x repair, with the transition bands.
 

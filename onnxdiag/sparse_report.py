@@ -481,13 +481,15 @@ def sweep_report(model, *, sparsity, allocations="all", repairs="cr+bn,bn,none",
                  labels=None, eval_data=None, eval_labels=None, keep_dense=(), rr_images=64,
                  rr_positions=16, rr_prior="erk", rr_gamma=1.0, rr_cap=0.99, force_projection=False,
                  alpha_cap=100.0, recalibrate="affected", limit=None, seed=0, batch_size=64,
-                 providers=None, head=None, features=None, out=None, overwrite=False,
-                 write=True, progress=True) -> CommandResult:
+                 providers=None, head=None, features=None, executor=None, jobs=None,
+                 out=None, overwrite=False, write=True, progress=True) -> CommandResult:
     """Accuracy / agreement table over sparsity × allocation × repair (``onnxdiag sweep``).
 
     ``sparsity``: a grid such as ``"0.90:0.97:0.005"``; ``allocations``: comma list or
     ``"all"`` (every rule, rr-greedy / rr-marginal included); ``repairs``: comma list.
     RR curves are computed once. Writes report.json, report.txt and sweep.csv.
+    ``executor``: None (this process), ``local`` (``jobs`` worker processes), ``ray`` or
+    ``ray=HOST:PORT`` (one Ray task per cell), or an :class:`~onnxdiag.executor.Executor`.
     """
     from .model_io import model_hash
     from .sparsity import METHODS, RULES
@@ -497,25 +499,39 @@ def sweep_report(model, *, sparsity, allocations="all", repairs="cr+bn,bn,none",
     rules = parse_choices(allocations, RULES, "allocation")
     methods = parse_choices(repairs, METHODS, "repair")
     folder = _check_out(out, "sweep", overwrite, write)
-    m, structure, specs, calib, feeds = _setup(model, data=data, labels=labels, limit=limit,
-                                               seed=seed, batch_size=batch_size, head=head,
-                                               features=features)
-    evaluation = None if eval_data is None else _open(eval_data, specs, labels=eval_labels,
-                                                      seed=seed, batch_size=batch_size)
-    from .sparsity import find_prunable
+    from .executor import Executor, make_executor
 
-    layers = find_prunable(structure, keep_dense)
-    curves = _curves(m, layers, feeds, n_images=rr_images, positions=rr_positions, seed=seed,
-                     providers=providers, progress=progress) if _needs_rr(rules) else None
-    pruner = _pruner(m, structure, feeds, keep_dense=keep_dense, curves=curves,
-                     rr_prior=rr_prior, rr_gamma=rr_gamma, rr_cap=rr_cap,
-                     force_projection=force_projection, alpha_cap=alpha_cap,
-                     recalibrate=recalibrate, providers=providers)
-    _, dense_eval = pruner.measure(m, evaluation)
-    _say(progress, f"Sweep: {len(grid)} sparsities x {len(rules)} allocations x "
-                   f"{len(methods)} repairs on {pruner.n_images} calibration images")
-    cells = run_sweep(pruner, grid, rules, methods, eval_source=evaluation,
-                      on_cell=_cell_printer(progress))
+    own = executor is not None and not isinstance(executor, Executor)
+    ex = make_executor(executor, jobs=jobs) if own else executor  # fails before any work
+    try:
+        m, structure, specs, calib, feeds = _setup(model, data=data, labels=labels, limit=limit,
+                                                   seed=seed, batch_size=batch_size, head=head,
+                                                   features=features)
+        evaluation = None if eval_data is None else _open(eval_data, specs, labels=eval_labels,
+                                                          seed=seed, batch_size=batch_size)
+        from .sparsity import find_prunable
+
+        layers = find_prunable(structure, keep_dense)
+        curves = _curves(m, layers, feeds, n_images=rr_images, positions=rr_positions, seed=seed,
+                         providers=providers, progress=progress) if _needs_rr(rules) else None
+        pruner = _pruner(m, structure, feeds, keep_dense=keep_dense, curves=curves,
+                         rr_prior=rr_prior, rr_gamma=rr_gamma, rr_cap=rr_cap,
+                         force_projection=force_projection, alpha_cap=alpha_cap,
+                         recalibrate=recalibrate, providers=providers)
+        _, dense_eval = pruner.measure(m, evaluation)
+        _say(progress, f"Sweep: {len(grid)} sparsities x {len(rules)} allocations x "
+                       f"{len(methods)} repairs on {pruner.n_images} calibration images")
+    except BaseException:
+        if own:
+            ex.close()
+        raise
+    try:
+        cells = run_sweep(pruner, grid, rules, methods, eval_source=evaluation,
+                          on_cell=_cell_printer(progress), executor=ex)
+        ran_on = ex.describe() if ex is not None else {"kind": "in-process"}
+    finally:
+        if own:
+            ex.close()
     section = summarize_sweep(cells, grid, rules, methods, dense_eval=dense_eval,
                               all_bn=_all_bn(structure, layers))
     section["n_images"] = pruner.n_images
@@ -527,11 +543,13 @@ def sweep_report(model, *, sparsity, allocations="all", repairs="cr+bn,bn,none",
                   rr_gamma=rr_gamma, rr_cap=rr_cap, force_projection=force_projection,
                   alpha_cap=alpha_cap, recalibrate=recalibrate, limit=limit, seed=seed,
                   batch_size=batch_size, providers=providers, head=head, features=features,
+                  executor=None if executor is None else str(executor), jobs=jobs,
                   defaults=DEFAULTS)
     meta = build_metadata(command="sweep", parameters=params, model_path=model,
                           model_hash=model_hash(m),
                           data={"calibration": calib.describe(),
                                 "eval": evaluation.describe() if evaluation else None})
+    meta["executor"] = ran_on
     report = {"schema": SCHEMA_VERSION, "metadata": meta, "sweep": section}
     text = _header(meta) + render_sweep(section)
     return _finish_files("sweep", report, text, folder, overwrite,

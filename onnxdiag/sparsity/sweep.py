@@ -233,17 +233,69 @@ class SweepCell:
         return dict(self.__dict__)
 
 
+class _Batches:
+    """Labelled batches held in memory (what a worker gets instead of a data source)."""
+
+    def __init__(self, batches: list):
+        self._batches = batches
+        self.has_labels = all(b.labels is not None for b in batches)
+
+    def batches(self):
+        return iter(self._batches)
+
+
+def _sweep_cell(key: tuple, pruner: Pruner, eval_batches) -> SweepCell:
+    """One (S, rule, method) cell, self-contained (the unit of work of an executor)."""
+    S, rule, method = key
+    t0 = time.perf_counter()
+    try:
+        alloc = pruner.allocate(rule, S)
+    except OnnxDiagError as exc:
+        return SweepCell(float(S), rule, method, error=str(exc))
+    model, _ = pruner.prune(alloc, method)
+    agr, ev = pruner.measure(model, None if eval_batches is None else _Batches(eval_batches))
+    return SweepCell(float(S), rule, method, agreement=agr,
+                     accuracy=None if ev is None else ev["accuracy"],
+                     loss=None if ev is None else ev["loss"],
+                     seconds=time.perf_counter() - t0, layer_sparsity=dict(alloc.sparsity))
+
+
+def _run_on(executor, pruner, grid, rules, methods, eval_source, on_cell) -> list[SweepCell]:
+    """The cells as units of ``executor``: the pruner (dense model, calibration samples, RR
+    curves) and the evaluation batches are shipped once; cells come back in grid order."""
+    import dataclasses
+
+    keys = [(float(S), rule, method) for S in grid for rule in rules for method in methods]
+    eval_batches = None if eval_source is None else list(eval_source.batches())
+    worker = dataclasses.replace(pruner, threads=1)  # one core per unit
+    out: dict[int, SweepCell] = {}
+    for i, cell, error in executor.map(_sweep_cell, keys, (worker, eval_batches),
+                                       gpu="cuda" in str(pruner.providers or "").lower()):
+        if cell is None:  # the unit failed outside the allocation: keep the message
+            cell = SweepCell(keys[i][0], keys[i][1], keys[i][2], error=error)
+        out[i] = cell
+        if on_cell:
+            on_cell(cell, len(out), len(keys))
+    return [out[i] for i in range(len(keys))]
+
+
 def run_sweep(pruner: Pruner, grid: Sequence[float], rules: Sequence[str],
               methods: Sequence[str], *, eval_source=None,
-              on_cell: Callable[[SweepCell, int, int], None] | None = None) -> list[SweepCell]:
+              on_cell: Callable[[SweepCell, int, int], None] | None = None,
+              executor=None) -> list[SweepCell]:
     """Every (S, rule, method) cell: one allocation and mask set per (S, rule), one repair
-    per method.  A rule that cannot meet S yields cells with ``error`` (not an exception)."""
+    per method.  A rule that cannot meet S yields cells with ``error`` (not an exception).
+
+    ``executor`` (an :class:`onnxdiag.executor.Executor`): run each cell as a unit of work
+    there (local processes or Ray tasks) instead of in this process."""
     for rule in rules:
         if rule not in RULES:
             raise OnnxDiagError(f"Unknown allocation {rule!r}; choose from {', '.join(RULES)}.")
     for method in methods:
         if method not in METHODS:
             raise OnnxDiagError(f"Unknown repair {method!r}; choose from {', '.join(METHODS)}.")
+    if executor is not None:
+        return _run_on(executor, pruner, grid, rules, methods, eval_source, on_cell)
     cells, total = [], len(grid) * len(rules) * len(methods)
     for S in grid:
         for rule in rules:
