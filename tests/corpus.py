@@ -259,6 +259,34 @@ def conv_bn_chain(batch="N", seed: int = 0) -> onnx.ModelProto:
     return g.model([_image((batch, 3, 8, 8))], [_logits()])
 
 
+def relu6_constant_clip(seed: int = 0) -> onnx.ModelProto:
+    """conv_bn_chain with ReLU6 as torch exports it: Clip whose min/max are scalar outputs
+    of Constant nodes (read by both Clips, i.e. across repair segments)."""
+    g = _G(seed)
+    lo = g.node("Constant", [], "clip_min",
+                value=numpy_helper.from_array(np.array(0.0, np.float32), "clip_min_value"))
+    hi = g.node("Constant", [], "clip_max",
+                value=numpy_helper.from_array(np.array(6.0, np.float32), "clip_max_value"))
+    r0 = g.node("Clip", [g.bn(g.conv("x", "conv0", 3, 8, bias=False), "bn0", 8), lo, hi],
+                "relu6_0")
+    r1 = g.node("Clip", [g.bn(g.conv(r0, "conv1", 8, 16, stride=2, bias=False), "bn1", 16),
+                         lo, hi], "relu6_1")
+    g.gemm(g.pool_flatten(r1), "head", 16, N_CLASSES, out="logits")
+    return g.model([_image(("N", 3, 8, 8))], [_logits()])
+
+
+def conv_on_1x1_spatial(seed: int = 0) -> onnx.ModelProto:
+    """A 3×3 conv (pad 1) whose input is 1×1 spatial, as in VGG's last stage:
+    x (N,3,2,2) → conv0 3×3 stride 2 → bn0 → Relu (N,8,1,1) → conv1 3×3 pad 1 → bn1 → Relu
+    → GAP → Flatten → Gemm head."""
+    g = _G(seed)
+    r0 = g.node("Relu", [g.bn(g.conv("x", "conv0", 3, 8, stride=2, bias=False), "bn0", 8)],
+                "relu0")
+    r1 = g.node("Relu", [g.bn(g.conv(r0, "conv1", 8, 16, bias=False), "bn1", 16)], "relu1")
+    g.gemm(g.pool_flatten(r1), "head", 16, N_CLASSES, out="logits")
+    return g.model([_image(("N", 3, 2, 2))], [_logits()])
+
+
 def conv_bn_folded(seed: int = 0) -> onnx.ModelProto:
     """conv_bn_chain as exported in eval mode: BN folded into biased convs (no BN nodes);
     conv1's activation is Clip(0, 6) (ReLU6)."""

@@ -9,7 +9,9 @@ from corpus import (
     conv_bias_add,
     conv_bn_chain,
     conv_bn_folded,
+    conv_on_1x1_spatial,
     random_feeds,
+    relu6_constant_clip,
     residual_block,
     run_ort,
 )
@@ -176,3 +178,23 @@ def test_unknown_method_is_a_user_error():
     model, structure, masks, calib = _setup(conv_bn_chain)
     with pytest.raises(OnnxDiagError, match="Unknown repair method"):
         repair_model(model, structure, masks, calib, method="magic")
+
+
+@pytest.mark.parametrize("build", [relu6_constant_clip, conv_on_1x1_spatial])
+@pytest.mark.parametrize("method", ["bn", "cr+bn"])
+def test_repair_handles_constant_nodes_and_1x1_spatial_inputs(build, method):
+    """Regression (found on the zoo's MobileNetV2 and VGG-16-BN): scalar Constant outputs
+    read across repair segments, and im2col of a 3×3 conv on a 1×1 input."""
+    model, structure, masks, calib = _setup(build, S=0.5, rule="uniform")
+    out, _ = repair_model(model, structure, masks, calib, method=method)
+    onnx.checker.check_model(out, full_check=True)
+    # BN recalibration is a fixed point of the repaired model's own statistics
+    bn_inputs = [n.input[0] for n in out.graph.node if n.op_type == "BatchNormalization"]
+    stats = _stats(out, calib, bn_inputs)
+    index = GraphIndex(out)
+    for node in (n for n in out.graph.node if n.op_type == "BatchNormalization"):
+        mean, var = stats[node.input[0]]
+        np.testing.assert_allclose(index.get_constant(node.input[3]), mean, atol=1e-4)
+    masks_all = {k: np.ones_like(v) for k, v in masks.items()}
+    dense, _ = repair_model(model, structure, masks_all, calib, method=method)
+    np.testing.assert_allclose(_logits(dense, calib), _logits(model, calib), atol=1e-5)

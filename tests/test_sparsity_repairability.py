@@ -313,3 +313,21 @@ def test_positions_must_be_a_positive_integer_or_all(bad):
     assert parse_positions("8") == 8
     with pytest.raises(Exception, match="positive integer or 'all'"):
         parse_positions(bad)
+
+
+@pytest.mark.parametrize("positions", [16, "all"])
+def test_rr_curves_of_a_3x3_conv_on_a_1x1_input(positions):
+    """Regression (VGG-16-BN's last stage in the zoo): the im2col columns of a 3×3 conv on a
+    1×1 spatial input are a view; folding them must not write into it."""
+    from corpus import conv_on_1x1_spatial, random_feeds
+
+    from onnxdiag.graph import analyze_structure
+    from onnxdiag.sparsity import compute_rr_curves, find_prunable
+
+    model = conv_on_1x1_spatial()
+    layers = find_prunable(analyze_structure(model))
+    feeds = [random_feeds(model, batch=8, seed=i) for i in range(3)]
+    curves = compute_rr_curves(model, layers, feeds, n_images=24, positions=positions)
+    assert np.isfinite(curves.rr).all() and (curves.d_raw[:, 1:] > 0).all()
+    again = compute_rr_curves(model, layers, feeds, n_images=24, positions=positions)
+    np.testing.assert_array_equal(curves.rr, again.rr)  # the inputs were not modified

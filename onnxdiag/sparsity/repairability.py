@@ -177,7 +177,8 @@ def distortions(acc: PairMoments) -> tuple[float, float]:
 def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int = 64,
                       eps: float = 1e-12, providers=None, threads: int | None = None,
                       label: str | None = None, strategy: str = "auto",
-                      positions: int | str | None = DEFAULT_POSITIONS, seed: int = 0) -> RRCurves:
+                      positions: int | str | None = DEFAULT_POSITIONS, seed: int = 0,
+                      executor=None) -> RRCurves:
     """RR curves of ``layers`` (prunable :class:`~onnxdiag.graph.Layer` records) (SPEC C2).
 
     Args:
@@ -187,6 +188,9 @@ def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int
         positions: conv output positions per image whose patches enter the moments
             (seeded draw, see the module docstring); None or "all": every position (exact).
         seed: seed of the position draw (image i's positions depend on (seed, i) only).
+        executor: an :class:`onnxdiag.executor.Executor`: after the capture pass, each
+            layer's folding runs as one unit there (one Ray task per layer, its captured
+            inputs shipped once); None folds batch by batch in this process. Same result.
 
     Cost: one ONNX Runtime pass exposing the layers' inputs, then per batch and layer one
     im2col (of the sampled positions only) and either (``strategy``) ``incremental``: the
@@ -221,6 +225,7 @@ def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int
         last = {}
     runner = OrtRunner(capture, providers=providers, threads=threads)
     fetch = exposed + list(last.values())
+    captured: list[list] = [[] for _ in layers]
     seen = 0
     for feeds in _feed_batches(source, label):
         take = min(n_images - seen, _batch_len(feeds))
@@ -230,19 +235,49 @@ def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int
         outs = runner.run(feeds, fetch) if fetch else {}
         outs.update(feeds)
         images = np.arange(seen, seen + take)
-        for la, plan in zip(layers, plans):
-            _fold_layer(plan, outs[la.input], images, outs.get(last.get(la.input)))
+        for i, (la, plan) in enumerate(zip(layers, plans)):
+            if executor is None:
+                _fold_layer(plan, outs[la.input], images, outs.get(last.get(la.input)))
+            else:
+                captured[i].append((outs[la.input], images, outs.get(last.get(la.input))))
         seen += take
     if seen == 0:
         raise DataError("The calibration data is empty; give at least one sample.")
-    for plan in plans:
-        if plan["mode"] == "gram":
-            _finish_gram(plan)
-    d = np.array([[distortions(acc) for acc in plan["acc"]] for plan in plans])
+    if executor is None:
+        folded = [_finish_layer(plan) for plan in plans]
+    else:
+        folded = [None] * len(plans)
+        for i, result, error in executor.map(_layer_unit, list(zip(plans, captured)), ()):
+            if error is not None:
+                raise OnnxDiagError(f"RR curves of layer {layers[i].node_name}: {error}")
+            folded[i] = result
+    d = np.array([f[0] for f in folded])
     d_raw, d_rep = d[..., 0], d[..., 1]
     return RRCurves(tuple(la.node_name for la in layers), grid, d_raw, d_rep,
                     (d_rep + eps) / (d_raw + eps), tuple(p["n"] for p in plans), seen,
-                    tuple(p["acc"][0].n for p in plans), eps, positions, int(seed))
+                    tuple(f[1] for f in folded), eps, positions, int(seed))
+
+
+def _finish_layer(plan: dict) -> tuple[list, int]:
+    """(distortions per level, samples folded) of a layer whose batches are all folded."""
+    if plan["mode"] == "gram":
+        _finish_gram(plan)
+    return [distortions(acc) for acc in plan["acc"]], plan["acc"][0].n
+
+
+def _layer_unit(item) -> tuple[list, int]:
+    """One layer as a unit of work: fold its captured batches, then finish it."""
+    import copy
+
+    plan, batches = item
+    plan = copy.deepcopy(plan)  # writable accumulators (Ray's arguments are read-only views)
+
+    def writable(a):
+        return a if a is None or a.flags.writeable else np.array(a)
+
+    for x, images, x_last in batches:
+        _fold_layer(plan, writable(x), images, writable(x_last))
+    return _finish_layer(plan)
 
 
 def parse_positions(positions) -> int | None:
@@ -463,7 +498,11 @@ def _fold_layer(plan: dict, x: np.ndarray, images: np.ndarray,
     cols = sampled_columns(plan["op"], x, plan["kernel"], plan["positions"],
                            seed=plan["seed"], sample_indices=images, x_last=x_last)
     if plan["mode"] == "gram":
-        _fold_gram(plan, cols, own=not np.may_share_memory(cols, x))
+        # Shift in place only a scratch array: never a (read-only) view of the captured
+        # inputs, which other layers reading the same tensor still need.
+        own = (cols.flags.writeable and not np.may_share_memory(cols, x)
+               and (x_last is None or not np.may_share_memory(cols, x_last)))
+        _fold_gram(plan, cols, own=own)
         return
     dense = centre_rows(apply_columns(cols, plan["dense"]).T)
     cols_t = np.ascontiguousarray(cols.reshape(cols.shape[0], -1).T)

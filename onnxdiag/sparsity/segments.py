@@ -89,6 +89,13 @@ class SegmentedPass:
     def _run_segment(self, nodes, start, end, produced, wanted) -> None:
         inits = {t.name: t for t in self.model.graph.initializer}
         reads = set().union(*self.reads[start:end + 1]) - produced
+        # Constant nodes of earlier segments (e.g. Clip bounds) are re-emitted here rather
+        # than fed: their outputs have no batch dimension (often rank 0).
+        consts = [self.index.producer[t] for t in sorted(reads)
+                  if t in self.index.producer and self.index.producer[t].op_type == "Constant"]
+        if consts:
+            nodes = [*consts, *nodes]
+            reads -= {t for n in consts for t in n.output}
         feeds = sorted(t for t in reads if t not in inits)
         missing = [t for t in feeds if t not in self.frontier]
         if missing:
@@ -113,4 +120,5 @@ class SegmentedPass:
     def _input_info(self, name: str) -> onnx.ValueInfoProto:
         arr = self.frontier[name][0]
         elem = helper.np_dtype_to_tensor_dtype(np.asarray(arr).dtype)
-        return helper.make_tensor_value_info(name, elem, ["batch", *np.shape(arr)[1:]])
+        shape = [] if np.ndim(arr) == 0 else ["batch", *np.shape(arr)[1:]]
+        return helper.make_tensor_value_info(name, elem, shape)
