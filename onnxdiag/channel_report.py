@@ -52,15 +52,25 @@ def score_collected(model, stats, structure, *, k_peers=10, ridge=1e-3, null_qua
 def channels_report(models, *, data, labels=None, limit=None, seed=0, batch_size=64,
                     providers=None, head=None, features=None, targets="auto",
                     task_samples="match", n_positions=16, k_peers=10, ridge=1e-3, layers=None,
-                    out=None, overwrite=False, write=True, progress=True) -> CommandResult:
+                    executor=None, jobs=None, out=None, overwrite=False, write=True,
+                    progress=True) -> CommandResult:
     """Two-axis channel scores and structure analyses (``onnxdiag channels``).
 
     ``models``: one model path, or several (a checkpoint series in training order) for
     the trajectory of the B4 statistics. Writes report.json, report.txt and
     channels.csv (one row per channel of the last model).
+
+    ``executor``: ``local`` (default) with ``jobs`` worker processes (default 1: the
+    single streaming pass in this process), ``ray`` / ``ray=HOST:PORT``, or an
+    :class:`~onnxdiag.executor.Executor`. With more than one worker the calibration set
+    is sharded into runs of whole batches, each worker streams its shard into the
+    mergeable moments and the driver merges them
+    (:func:`onnxdiag.collect.collect_channel_moments_sharded`): the same statistics to
+    float64 rounding.
     """
     from .clustering import summarize_layers
-    from .collect import collect_channel_moments
+    from .collect import collect_channel_moments, collect_channel_moments_sharded
+    from .executor import Executor, LocalExecutor, make_executor, parse_executor
     from .graph import analyze_structure
     from .model_io import get_input_specs, load_model, model_hash
 
@@ -70,26 +80,46 @@ def channels_report(models, *, data, labels=None, limit=None, seed=0, batch_size
     params = dict(models=[str(m) for m in models], data=data, labels=labels, limit=limit,
                   seed=seed, batch_size=batch_size, providers=providers, head=head,
                   features=features, targets=targets, task_samples=task_samples,
-                  n_positions=n_positions, k_peers=k_peers, ridge=ridge, layers=layers)
+                  n_positions=n_positions, k_peers=k_peers, ridge=ridge, layers=layers,
+                  executor=str(executor or "local") if not isinstance(executor, Executor)
+                  else executor.name, jobs=jobs)
+    own = not isinstance(executor, Executor)
+    if own:
+        spec = parse_executor(executor)
+        ex = make_executor(spec, jobs=(jobs or 1) if spec.kind == "local" else jobs)
+    else:
+        ex = executor
+    single = isinstance(ex, LocalExecutor) and (ex.jobs or 0) == 1
+    label = "Channel statistics" if progress else None
     per_model, hashes = [], []
-    for path in models:
-        model = load_model(path)
-        structure = analyze_structure(model, head=head, features=features)
-        source = _open(data, get_input_specs(model), labels=labels, limit=limit, seed=seed,
-                       batch_size=batch_size)
-        stats = collect_channel_moments(model, structure, source, layers=layers,
-                                        n_positions=n_positions, task_samples=task_samples,
-                                        targets=targets, seed=seed, providers=providers,
-                                        label="Channel statistics" if progress else None)
-        scored = score_collected(model, stats, structure, k_peers=k_peers, ridge=ridge)
-        summary = summarize_layers([s for _, s, _ in scored.values()], seed=seed)
-        per_model.append((path, stats, scored, summary))
-        hashes.append(model_hash(model))
+    try:
+        for path in models:
+            model = load_model(path)
+            structure = analyze_structure(model, head=head, features=features)
+            opts = dict(layers=layers, n_positions=n_positions, task_samples=task_samples,
+                        targets=targets, seed=seed, providers=providers, label=label)
+            if single:  # one streaming pass here, as without an executor
+                source = _open(data, get_input_specs(model), labels=labels, limit=limit,
+                               seed=seed, batch_size=batch_size)
+                stats = collect_channel_moments(model, structure, source, **opts)
+            else:
+                stats = collect_channel_moments_sharded(
+                    model, structure, data, executor=ex, labels=labels, limit=limit,
+                    batch_size=batch_size, **opts)
+            scored = score_collected(model, stats, structure, k_peers=k_peers, ridge=ridge)
+            summary = summarize_layers([s for _, s, _ in scored.values()], seed=seed)
+            per_model.append((path, stats, scored, summary))
+            hashes.append(model_hash(model))
+        ran_on = ex.describe()
+    finally:
+        if own:
+            ex.close()
     section = _section(per_model)
     meta = build_metadata(command="channels", parameters={**params, "defaults": DEFAULTS},
                           model_path=models[-1], model_hash=hashes[-1],
                           data={"probe": per_model[-1][1].data})
     meta["model_hashes"] = hashes
+    meta["executor"] = ran_on
     report = {"schema": SCHEMA_VERSION, "metadata": meta, "channels": section}
     text = _header(meta) + render_channels(section)
     files_csv = channel_rows_csv(per_model[-1][2])

@@ -260,6 +260,10 @@ def select(checkpoints, fmt, **kwargs):
 @click.option("--layer", "layers", multiple=True,
               help="Analyse only this layer (repeatable; default: every conv with >= 4 "
                    "channels).")
+@click.option("--jobs", type=click.IntRange(min=1), default=None,
+              help="Worker processes, each streaming a shard of the data (default: 1, one "
+                   "pass in this process; with ray, CPUs of the local instance).")
+@executor_option
 @output_options
 def channels(models, fmt, layers, **kwargs):
     """Two-axis channel information (SPEC B): local substitutability vs task relevance.

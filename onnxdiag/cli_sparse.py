@@ -35,6 +35,17 @@ def _positions_option(ctx, param, value):
     return n
 
 
+def _fan_out_options(f):
+    """--executor / --jobs of the verbs whose units (RR layers, sweep cells) can fan out."""
+    f = click.option("--jobs", type=click.IntRange(min=1), default=None,
+                     help="With --executor local: worker processes (default: one per "
+                          "core).")(f)
+    return click.option(
+        "--executor", default=None, metavar="local|ray[=ADDRESS]",
+        help="Run each unit (RR layer, sweep cell) on local worker processes, a local Ray "
+             "instance (ray) or a Ray cluster (ray=HOST:PORT). Default: in this process.")(f)
+
+
 def rr_options(f):
     """Options shared by the verbs that allocate: dense layers, the rr rule, the repair."""
     for opt in reversed([
@@ -78,6 +89,7 @@ def rr_options(f):
               show_default=True, help="Allocation used by the transition scan.")
 @rr_options
 @output_options
+@_fan_out_options
 def rr(model, fmt, **kwargs):
     """Relative repairability curves per layer and the predicted transition band.
 
@@ -137,12 +149,7 @@ def prune(model, fmt, **kwargs):
 @head_options
 @rr_options
 @output_options
-@click.option("--jobs", type=click.IntRange(min=1), default=None,
-              help="With --executor local: worker processes (default: one per core).")
-@click.option("--executor", default=None, metavar="local|ray[=ADDRESS]",
-              help="Run each cell as a unit of work: local worker processes, a local Ray "
-                   "instance (ray) or a Ray cluster (ray=HOST:PORT). Default: in this "
-                   "process, one cell after another.")
+@_fan_out_options
 def sweep(model, fmt, **kwargs):
     """Accuracy table over sparsity x allocation x repair, with the transition bands.
 

@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import click
 
-from .cli import _common, _emit, cli, data_options, output_options, sampling_options
+from .cli import (
+    _common,
+    _emit,
+    cli,
+    data_options,
+    executor_option,
+    output_options,
+    sampling_options,
+)
 from .prune_report import DEFAULT_ALPHA, DEFAULT_BETA, SCORES
 
 
@@ -110,6 +118,11 @@ def prune_channels_cmd(model, fmt, **kwargs):
 @sampling_options
 @_head_options
 @_finetune_options
+@click.option("--jobs", type=click.IntRange(min=1), default=None,
+              help="Worker processes for the statistics shards and the (score, ratio) cells "
+                   "(default: 1, everything in this process; with ray, CPUs of the local "
+                   "instance).")
+@executor_option
 @output_options
 def prune_sweep_cmd(model, fmt, ratios, scores, **kwargs):
     """Accuracy vs kept-channel fraction per score, before and after recovery (SPEC B6).

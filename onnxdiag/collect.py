@@ -166,11 +166,12 @@ def _exposed_names(chosen, head) -> list[str]:
     return [la.output for la in chosen] + [head.features, head.logits]
 
 
-def make_stats_runner(model, structure, *, layers=None, providers=None) -> StatsRunner:
+def make_stats_runner(model, structure, *, layers=None, providers=None,
+                      threads: int | None = None) -> StatsRunner:
     """The session of the statistics pass (analysed layers + head exposed), to reuse."""
     chosen = find_analysed_layers(structure, layers)
     names = _exposed_names(chosen, structure.head)
-    return StatsRunner(expose_tensors(model, names), providers=providers)
+    return StatsRunner(expose_tensors(model, names), providers=providers, threads=threads)
 
 
 def _single_threaded_blas():
@@ -194,8 +195,8 @@ class StatsRunner(OrtRunner):
     the next run) several times slower. Same providers and optimisation level otherwise.
     """
 
-    def __init__(self, model, *, providers=None):
-        super().__init__(model, providers=providers, spinning=False)
+    def __init__(self, model, *, providers=None, threads: int | None = None):
+        super().__init__(model, providers=providers, threads=threads, spinning=False)
 
 
 def _shuffle(t: np.ndarray, seed: int, indices: np.ndarray) -> np.ndarray:
@@ -256,3 +257,214 @@ def _fold_rows(moments: Moments, samples: np.ndarray, targets: np.ndarray | None
         buf[:, c:d] = np.repeat(targets - centre[c:], k, axis=0)
     gram = buf.T @ buf  # one syrk: Gram of the centred columns and, last row, their sums
     moments.update_sums(rows, centre, gram[d, :d], gram[:d, :d])
+
+
+# --------------------------------------------------------------------------- sharded pass
+#
+# The same pass on an executor (issue 9): the calibration set is cut into shards of
+# whole consecutive batches, each unit streams its shard into fresh LayerMoments and the
+# driver merges them in shard order (Moments.merge is exact up to float64 rounding).
+# Shards give the same statistics as one pass because
+#   - a shard boundary is always a multiple of the (effective) batch size in the list of
+#     selected samples, so every batch has the same members as in the single pass, and
+#     the permutation control (_shuffle, seeded by (seed, the batch's first index)) draws
+#     the same permutation of the same images;
+#   - the spatial positions are a counter-based hash of (seed, source index, draw), and
+#     every sample keeps its source index.
+
+
+@dataclass(frozen=True)
+class ShardUnit:
+    """One unit of the sharded pass: batches ``[start, stop)`` of the selected samples.
+
+    ``batches``: the shard's data when the driver ships it (read once by the driver);
+    None when the worker reads its batches itself from the data path.
+    """
+
+    shard: int
+    start: int
+    stop: int
+    batches: tuple | None = None
+
+
+class _ShardSource:
+    """The batches ``[start, stop)`` of a DataSource, or shipped batches, as a source."""
+
+    def __init__(self, batch_size: int, has_labels: bool, batches=None, source=None,
+                 start: int = 0, stop: int = 0):
+        self.batch_size, self._has_labels = batch_size, has_labels
+        self._batches, self._source, self._range = batches, source, (start, stop)
+
+    @property
+    def has_labels(self) -> bool:
+        return self._has_labels
+
+    @property
+    def n_samples(self) -> int:
+        if self._batches is not None:
+            return sum(len(b) for b in self._batches)
+        start, stop = self._range
+        return int(self._source.indices[start * self.batch_size:stop * self.batch_size].size)
+
+    def batches(self):
+        if self._batches is not None:
+            yield from self._batches
+            return
+        from .data import Batch
+
+        start, stop = self._range
+        fetch = self._source._fetch  # the indexed reader of an array / image-folder source
+        indices = self._source.indices
+        for b in range(start, stop):
+            idx = indices[b * self.batch_size:(b + 1) * self.batch_size]
+            feeds, labels = fetch(idx)
+            yield Batch(feeds, labels, idx)
+
+    def describe(self) -> dict:
+        return {"n_samples": self.n_samples}
+
+
+def _readable_by_path(data, source) -> bool:
+    """Whether a worker can reopen ``data`` and fetch any batch range of it by index."""
+    from pathlib import Path
+
+    return (isinstance(data, (str, Path)) and not str(data).split(":")[0].endswith(".py")
+            and source.indices is not None and getattr(source, "_fetch", None) is not None)
+
+
+def collect_channel_moments_sharded(model, structure, data, *, executor, labels=None,
+                                    limit=None, seed: int = 0, batch_size: int = 64,
+                                    layers=None, n_positions: int = 16,
+                                    task_samples: str = "match", targets: str = "auto",
+                                    providers=None, n_shards: int | None = None,
+                                    ship: bool | None = None,
+                                    label: str | None = None) -> ChannelStats:
+    """:func:`collect_channel_moments` over ``data`` on ``executor``, shard by shard.
+
+    ``data``/``labels``/``limit``/``seed``/``batch_size``: as for ``open_data`` (the same
+    samples as the single pass). ``n_shards``: default one per worker (local processes,
+    or the Ray cluster's CPUs), at most one per batch. ``ship``: where a shard's data
+    comes from. By default a worker reads its own batch range from the data path (an
+    .npy/.npz file or an image folder: only the path travels, the driver never holds
+    the calibration set; on a multi-node cluster the path must exist on every node);
+    in-memory data, loader scripts and readers (or ``ship=True``) are read by the driver
+    and each shard's batches are shipped as its unit (through Ray's object store, or
+    pickled to the local worker process). The model is shipped once as bytes.
+
+    Equals the single pass to float64 rounding (the merge order is the shard order). A
+    failed shard raises OnnxDiagError naming its samples: merged statistics without it
+    would silently describe another data set.
+    """
+    from .data import open_data
+    from .executor import LocalExecutor, RayExecutor, worker_count
+    from .model_io import get_input_specs
+
+    if task_samples not in TASK_SAMPLES:
+        raise OnnxDiagError(f"--task-samples must be one of {', '.join(TASK_SAMPLES)}; "
+                            f"got {task_samples!r}.")
+    source = open_data(data, get_input_specs(model), labels=labels, limit=limit, seed=seed,
+                       batch_size=batch_size)
+    resolved = resolve_targets(targets, source.has_labels)
+    if resolved == "expected":
+        raise OnnxDiagError("Channel targets must be 'labels' or 'pseudo' (the logit margin); "
+                            "'expected' applies to readouts only.")
+    chosen = find_analysed_layers(structure, layers)
+    if not chosen:
+        raise OnnxDiagError("No conv layer with at least 4 output channels to analyse; "
+                            "`onnxdiag inspect MODEL` lists the layers.")
+    bs = source.batch_size
+    by_path = not ship and _readable_by_path(data, source)
+    if by_path:
+        n_batches, shipped = -(-source.n_samples // bs), None
+    else:
+        shipped = list(source.batches())  # streams are read once, here
+        n_batches = len(shipped)
+    if n_batches == 0:
+        raise OnnxDiagError("The calibration data has no samples; pass a non-empty --data.")
+    n_shards = max(1, min(n_shards or worker_count(executor), n_batches))
+    bounds = np.linspace(0, n_batches, n_shards + 1).round().astype(int)
+    items = [ShardUnit(k, int(a), int(b), None if by_path else tuple(shipped[a:b]))
+             for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+    del shipped
+    data_args = dict(source=str(data), labels=labels, limit=limit, seed=seed,
+                     batch_size=batch_size) if by_path else None
+    parallel = isinstance(executor, RayExecutor) or (
+        isinstance(executor, LocalExecutor) and worker_count(executor) > 1)
+    settings = dict(layers=[la.node_name for la in chosen], n_positions=n_positions,
+                    task_samples=task_samples, targets=resolved, seed=seed,
+                    providers=providers, head=structure.head.node_name,
+                    features=structure.head.features, has_labels=source.has_labels,
+                    batch_size=bs, n_samples=source.n_samples,
+                    threads=1 if parallel else None)  # cores go to processes, not threads
+    results: dict[int, ChannelStats] = {}
+    errors = []
+    for k, stats, error in executor.map(_shard_unit, items,
+                                        (model.SerializeToString(), data_args, settings),
+                                        label=label, gpu=_wants_gpu(providers)):
+        if error is not None or stats is None:
+            it = items[k]
+            batches = f"batch {it.start}" if it.stop - it.start == 1 else \
+                f"batches {it.start}-{it.stop - 1}"
+            last = min(it.stop * bs, source.n_samples or it.stop * bs) - 1
+            errors.append(f"shard {k} ({batches}, selected samples {it.start * bs}-{last}): "
+                          f"{error}")
+        else:
+            results[k] = stats
+    if errors:
+        raise OnnxDiagError(f"{len(errors)} of {len(items)} statistics shards failed, so the "
+                            f"merged statistics would miss their samples; first: {errors[0]}"
+                            " — fix the cause (or run with --executor local) and rerun.")
+    # Fresh accumulators (results from Ray's object store are read-only), shard order.
+    merged = {la.node_name: LayerMoments(la.node_name, la.n_out, Moments(la.n_out + 2),
+                                         Moments(la.n_out) if task_samples == "gap" else None)
+              for la in chosen}
+    for k in range(len(items)):
+        for name, lm in results[k].layers.items():
+            merged[name].merge(lm)
+    return ChannelStats(layers=merged, targets=resolved, task_samples=task_samples,
+                        n_positions=n_positions, seed=seed,
+                        n_images=sum(r.n_images for r in results.values()),
+                        data={**source.describe(), "shards": len(items),
+                              "shard_data": "read by workers from the path" if by_path
+                              else "shipped by the driver"})
+
+
+def _wants_gpu(providers) -> bool:
+    """A task asks Ray for a GPU only when the providers request CUDA / TensorRT."""
+    from .checkpoints import _wants_gpu as wants
+
+    return wants(providers)
+
+
+def _shard_unit(item: ShardUnit, model_bytes: bytes, data_args: dict | None,
+                settings: dict) -> ChannelStats:
+    """One shard's statistics (runs on a worker): the same pass on its batches."""
+    import onnx
+
+    from .graph import analyze_structure
+
+    model = onnx.load_from_string(model_bytes)
+    structure = analyze_structure(model, head=settings["head"], features=settings["features"])
+    bs = settings["batch_size"]
+    if item.batches is not None:
+        shard = _ShardSource(bs, settings["has_labels"], batches=item.batches)
+    else:
+        from .data import open_data
+        from .model_io import get_input_specs
+
+        args = dict(data_args)
+        source = open_data(args.pop("source"), get_input_specs(model), **args)
+        if (source.batch_size, source.n_samples, source.has_labels) != \
+                (bs, settings["n_samples"], settings["has_labels"]):
+            raise OnnxDiagError("The data read by this worker differ from the driver's "
+                                "(samples, batch size or labels); give every node the same "
+                                "data file at the same path.")
+        shard = _ShardSource(bs, source.has_labels, source=source, start=item.start,
+                             stop=item.stop)
+    runner = make_stats_runner(model, structure, layers=settings["layers"],
+                               providers=settings["providers"], threads=settings["threads"])
+    return collect_channel_moments(model, structure, shard, layers=settings["layers"],
+                                   n_positions=settings["n_positions"],
+                                   task_samples=settings["task_samples"],
+                                   targets=settings["targets"], seed=settings["seed"],
+                                   runner=runner)

@@ -208,6 +208,15 @@ def _ray_unit(fn, item, *shared):
         return None, traceback.format_exc(limit=1)
 
 
+def worker_count(executor: Executor) -> int:
+    """How many units can run at once: local worker processes, or the Ray cluster's CPUs."""
+    if isinstance(executor, LocalExecutor):
+        return max(1, executor.jobs or os.cpu_count() or 1)
+    if isinstance(executor, RayExecutor):
+        return max(1, int(executor._ray.cluster_resources().get("CPU", 1)))
+    return 1
+
+
 def make_executor(spec: str | ExecutorSpec | None = None, *, jobs: int | None = None) -> Executor:
     """The executor for a ``--executor`` value (``jobs``: local worker processes)."""
     spec = parse_executor(spec)

@@ -8,6 +8,8 @@ score removes the same number of channels from every group.
 
 from __future__ import annotations
 
+import uuid
+
 import numpy as np
 
 from .analysis import CommandResult, _check_out, _finish, _header, _open
@@ -326,8 +328,9 @@ def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES
                        labels=None, eval_labels=None, budget="uniform", alpha=DEFAULT_ALPHA,
                        beta=DEFAULT_BETA, finetune=False, train_data=None, train_labels=None,
                        epochs=5, lr=1e-4, max_batches=200, limit=None, seed=0, batch_size=64,
-                       providers=None, head=None, features=None, targets="auto", out=None,
-                       overwrite=False, write=True, progress=True) -> CommandResult:
+                       providers=None, head=None, features=None, targets="auto",
+                       executor=None, jobs=None, out=None, overwrite=False, write=True,
+                       progress=True) -> CommandResult:
     """Accuracy vs kept-channel fraction per score, before and after recovery
     (``onnxdiag prune-sweep``, SPEC B6).
 
@@ -337,12 +340,22 @@ def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES
     counts of a global-threshold magnitude plan at that ratio) are FLOPs-matched by
     construction; ``global`` (per-score threshold) is not, and the table shows each
     cell's FLOPs ratio. Normalised AUC: :func:`normalized_auc`.
+
+    ``executor``: ``local`` (default) with ``jobs`` worker processes (default 1: every
+    cell in this process), ``ray`` / ``ray=HOST:PORT``, or an
+    :class:`~onnxdiag.executor.Executor`. The statistics pass is then sharded
+    (:func:`onnxdiag.collect.collect_channel_moments_sharded`) and every (score, ratio)
+    cell is one unit; the model bytes and every score's per-layer channel scores are
+    shipped once. A failed cell is reported in ``failed`` (its row has ``error``) and the
+    other cells are kept; a score with a failed cell gets no AUC. With ``finetune`` on
+    Ray every node needs the [training] extra.
     """
+    from .executor import Executor, LocalExecutor, RayExecutor, make_executor, parse_executor
     from .finetune import _import_training
     from .graph import analyze_structure
     from .model_io import get_input_specs, load_model
     from .probe import evaluate_model, make_head_runner
-    from .structured import plan_pruning, prune_channels
+    from .structured import plan_pruning
 
     ratios = sorted({float(r) for r in ratios})
     for r in ratios:
@@ -387,53 +400,87 @@ def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES
 
         dense_after = finetune_model(m, train, epochs=epochs, lr=lr, max_batches=max_batches,
                                      seed=seed, eval_source=evaluation)[1].accuracy_after
-    cs = None
-    if need_stats:
-        calib = _open(data, specs, labels=labels, limit=limit, seed=seed, batch_size=batch_size)
-        cs = stat_scores(m, structure, calib, targets=targets, seed=seed, providers=providers,
-                         progress=progress)  # once per sweep
-    reference = {}
-    if budget == "reference":
-        mag, _ = layer_scores("magnitude", m, structure, None)
-        reference = {r: plan_pruning(m, structure, mag, r, budget="global", seed=seed)
-                     for r in ratios}
-    rows, notes = [], []
-    for sc in scores:
-        per_layer, extra = layer_scores(sc, m, structure, cs, alpha=alpha, beta=beta, seed=seed)
-        notes += extra
-        for r in ratios:
-            if budget == "reference":
-                plan = plan_pruning(m, structure, per_layer, None, budget="reference",
-                                    reference=reference[r], seed=seed, score_name=sc)
+    own = not isinstance(executor, Executor)
+    if own:
+        spec = parse_executor(executor)
+        ex = make_executor(spec, jobs=(jobs or 1) if spec.kind == "local" else jobs)
+    else:
+        ex = executor
+    single = isinstance(ex, LocalExecutor) and (ex.jobs or 0) == 1
+    try:
+        cs = None
+        if need_stats:  # once per sweep
+            if single:
+                calib = _open(data, specs, labels=labels, limit=limit, seed=seed,
+                              batch_size=batch_size)
+                cs = stat_scores(m, structure, calib, targets=targets, seed=seed,
+                                 providers=providers, progress=progress)
             else:
-                plan = plan_pruning(m, structure, per_layer, r, budget=budget, seed=seed,
-                                    score_name=sc)
-            pruned, record = prune_channels(m, structure, plan.removed)
-            p_struct = analyze_structure(pruned, head=structure.head.node_name)
-            total = sum(plan.n_channels.values())
-            row = {"score": sc, "ratio": r,
-                   "kept_fraction": 1 - plan.n_removed / total if total else 1.0,
-                   "channels_removed": plan.n_removed,
-                   "flops_ratio": _ratio(record.flops_after, record.flops_before),
-                   "params_ratio": _ratio(record.params_after, record.params_before),
-                   "accuracy_before": accuracy(pruned, p_struct), "accuracy_after": None}
-            if finetune:
-                from .finetune import finetune_model
+                from .channel_report import score_collected
+                from .collect import collect_channel_moments_sharded
 
-                _, ft = finetune_model(pruned, train, epochs=epochs, lr=lr,
-                                       max_batches=max_batches, seed=seed,
-                                       eval_source=evaluation)
-                row["accuracy_after"] = ft.accuracy_after
-                row["finetune_loss_first_last"] = [ft.first_loss, ft.last_loss]
-            rows.append(row)
+                stats = collect_channel_moments_sharded(
+                    m, structure, data, executor=ex, labels=labels, limit=limit, seed=seed,
+                    batch_size=batch_size, targets=targets, providers=providers,
+                    label="Channel statistics" if progress else None)
+                cs = {name: sc for name, (_, sc, _) in
+                      score_collected(m, stats, structure).items()}
+        reference = {}
+        if budget == "reference":
+            mag, _ = layer_scores("magnitude", m, structure, None)
+            reference = {r: plan_pruning(m, structure, mag, r, budget="global", seed=seed)
+                         for r in ratios}
+        notes, per_score = [], {}
+        for sc in scores:
+            per_score[sc], extra = layer_scores(sc, m, structure, cs, alpha=alpha, beta=beta,
+                                                seed=seed)
+            notes += extra
+        cells = [(sc, r) for sc in scores for r in ratios]
+        ctx = dict(token=uuid.uuid4().hex, per_score=per_score,  # one per sweep
+                   reference=reference, budget=budget, seed=seed, providers=providers,
+                   head=structure.head.node_name, finetune=finetune,
+                   finetune_args=dict(epochs=epochs, lr=lr, max_batches=max_batches,
+                                      seed=seed),
+                   threads=None if single else 1)
+        eval_args = dict(source=eval_data, labels=eval_labels, seed=seed,
+                         batch_size=batch_size)
+        train_args = None if not finetune else dict(source=train_data, labels=train_labels,
+                                                    seed=seed, batch_size=batch_size)
+        if single:  # the sources opened here serve every cell
+            ctx.update(evaluation=evaluation, train=train)
+        elif isinstance(ex, RayExecutor):  # read once here, shipped once (object store)
+            ctx.update(eval_args=_materialize_source(evaluation),
+                       train_args=None if train is None else _materialize_source(train))
+        else:  # each local worker process reads them once from the source
+            ctx.update(eval_args=eval_args, train_args=train_args)
+        rows, failed = [None] * len(cells), []
+        for i, row, error in ex.map(_sweep_cell, cells, (m.SerializeToString(), ctx),
+                                    label="Pruning cells" if progress else None,
+                                    gpu=_wants_gpu(providers)):
+            if row is None:
+                sc, r = cells[i]
+                row = {"score": sc, "ratio": r, "kept_fraction": None,
+                       "channels_removed": None, "flops_ratio": None, "params_ratio": None,
+                       "accuracy_before": None, "accuracy_after": None, "error": error}
+                failed.append({"score": sc, "ratio": r, "error": error})
+            rows[i] = row
+        ran_on = ex.describe()
+    finally:
+        _CELL_CACHE.clear()  # this process's copy of the sweep (single-process cells)
+        if own:
+            ex.close()
     section = summarize_sweep(rows, dense, scores, budget, finetune, dense_after)
     section["notes"] = sorted(set(notes))
+    section["failed"] = sorted(failed, key=lambda f: (scores.index(f["score"]), f["ratio"]))
     meta = build_metadata(command="prune-sweep", model_path=model,
                           parameters=dict(ratios=ratios, scores=scores, budget=budget,
                                           alpha=alpha, beta=beta, finetune=finetune,
                                           epochs=epochs, lr=lr, max_batches=max_batches,
                                           seed=seed, limit=limit, data=data,
-                                          eval_data=eval_data, train_data=train_data))
+                                          eval_data=eval_data, train_data=train_data,
+                                          executor=executor.name if not own
+                                          else str(executor or "local"), jobs=jobs))
+    meta["executor"] = ran_on
     report = {"schema": SCHEMA_VERSION, "metadata": meta, "prune_sweep": section}
     text = _header(meta) + render_sweep(section)
     if folder is not None:
@@ -464,7 +511,10 @@ def summarize_sweep(rows, dense, scores, budget, finetune, dense_after=None) -> 
         auc[sc] = entry
     matched = {}
     for r in sorted({row["ratio"] for row in rows}):
-        flops = {row["flops_ratio"] for row in rows if row["ratio"] == r}
+        flops = {row["flops_ratio"] for row in rows
+                 if row["ratio"] == r and row["flops_ratio"] is not None}
+        if not flops:
+            continue
         matched[str(r)] = {"flops_ratio_min": min(flops), "flops_ratio_max": max(flops),
                            "matched": max(flops) - min(flops) < 1e-12}
     compare = {}
@@ -495,6 +545,9 @@ def render_sweep(section: dict) -> str:
         line = {"score": sc}
         for r in ratios:
             cell = next(x for x in rows if x["score"] == sc and x["ratio"] == r)
+            if cell.get("error") is not None:
+                line[f"kept {1 - r:.2f}"] = "failed"
+                continue
             acc = f"{100 * cell['accuracy_before']:.1f}"
             if fin:
                 acc += f" / {100 * cell['accuracy_after']:.1f}"
@@ -519,5 +572,94 @@ def render_sweep(section: dict) -> str:
     for phase, c in section["local_vs_target"].items():
         lines.append(f"{phase} recovery: best local-axis ({c['best_local']}) minus best "
                      f"target-axis ({c['best_target']}) AUC: {c['local_minus_target_pp']:+.1f} pp")
+    lines += [f"FAILED cell {f['score']} ratio {f['ratio']}: {f['error']}"
+              for f in section.get("failed", [])]
     lines += [f"note: {n}" for n in section.get("notes", [])]
     return "\n".join(lines) + "\n"
+
+
+# -- prune-sweep units (issue 9) ----------------------------------------------------------------
+_CELL_CACHE: dict = {}  # per worker process: the sweep's model, structure and data, once
+
+
+def _wants_gpu(providers) -> bool:
+    """A task asks Ray for a GPU only when the providers request CUDA / TensorRT."""
+    from .checkpoints import _wants_gpu as wants
+
+    return wants(providers)
+
+
+def _materialize_source(source) -> dict:
+    """A DataSource's samples (in order) as arrays + labels, to ship once to Ray workers."""
+    feeds, labels = {}, []
+    for batch in source.batches():
+        for k, v in batch.feeds.items():
+            feeds.setdefault(k, []).append(v)
+        if batch.labels is not None:
+            labels.append(batch.labels)
+    arrays = {k: np.concatenate(v) for k, v in feeds.items()}
+    return dict(source=arrays, labels=np.concatenate(labels) if labels else None,
+                seed=source.seed, batch_size=source.batch_size)
+
+
+def _cell_context(model_bytes: bytes, ctx: dict):
+    """(model, structure, evaluation, train) of this sweep, built once per process."""
+    hit = _CELL_CACHE.get(ctx["token"])
+    if hit is not None:
+        return hit
+    import onnx
+
+    from .graph import analyze_structure
+    from .model_io import get_input_specs
+
+    model = onnx.load_from_string(model_bytes)
+    structure = analyze_structure(model, head=ctx["head"])
+    evaluation, train = ctx.get("evaluation"), ctx.get("train")
+    if evaluation is None:
+        specs = get_input_specs(model)
+        evaluation = _open(ctx["eval_args"]["source"], specs, **_rest(ctx["eval_args"]))
+        if ctx.get("train_args") is not None:
+            train = _open(ctx["train_args"]["source"], specs, **_rest(ctx["train_args"]))
+    _CELL_CACHE.clear()
+    _CELL_CACHE[ctx["token"]] = hit = (model, structure, evaluation, train)
+    return hit
+
+
+def _rest(args: dict) -> dict:
+    return {k: v for k, v in args.items() if k != "source"}
+
+
+def _sweep_cell(cell, model_bytes: bytes, ctx: dict) -> dict:
+    """One (score, ratio) cell: plan, prune physically, evaluate (and fine-tune)."""
+    from .graph import analyze_structure
+    from .probe import evaluate_model, make_head_runner
+    from .structured import plan_pruning, prune_channels
+
+    sc, r = cell
+    m, structure, evaluation, train = _cell_context(model_bytes, ctx)
+    per_layer, seed = ctx["per_score"][sc], ctx["seed"]
+    if ctx["budget"] == "reference":
+        plan = plan_pruning(m, structure, per_layer, None, budget="reference",
+                            reference=ctx["reference"][r], seed=seed, score_name=sc)
+    else:
+        plan = plan_pruning(m, structure, per_layer, r, budget=ctx["budget"], seed=seed,
+                            score_name=sc)
+    pruned, record = prune_channels(m, structure, plan.removed)
+    p_struct = analyze_structure(pruned, head=structure.head.node_name)
+    total = sum(plan.n_channels.values())
+    runner = make_head_runner(pruned, p_struct.head, providers=ctx["providers"],
+                              threads=ctx["threads"])
+    row = {"score": sc, "ratio": r,
+           "kept_fraction": 1 - plan.n_removed / total if total else 1.0,
+           "channels_removed": plan.n_removed,
+           "flops_ratio": _ratio(record.flops_after, record.flops_before),
+           "params_ratio": _ratio(record.params_after, record.params_before),
+           "accuracy_before": evaluate_model(runner, p_struct.head, evaluation).accuracy,
+           "accuracy_after": None}
+    if ctx["finetune"]:
+        from .finetune import finetune_model
+
+        _, ft = finetune_model(pruned, train, eval_source=evaluation, **ctx["finetune_args"])
+        row["accuracy_after"] = ft.accuracy_after
+        row["finetune_loss_first_last"] = [ft.first_loss, ft.last_loss]
+    return row

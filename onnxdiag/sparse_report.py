@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +54,7 @@ def _setup(model, *, data, labels, limit, seed, batch_size, head, features):
 
 
 def _curves(m, layers, feeds, *, grid=None, n_images=64, positions=16, seed=0,
-            providers=None, progress=False):
+            providers=None, progress=False, executor=None):
     """RR curves on the first ``n_images`` calibration images, each conv's moments over
     ``positions`` seeded output positions per image (None / "all": every position)."""
     from .sparsity import DEFAULT_GRID, compute_rr_curves
@@ -65,7 +66,8 @@ def _curves(m, layers, feeds, *, grid=None, n_images=64, positions=16, seed=0,
     _say(progress, f"RR curves: {len(layers)} layers x {len(grid)} sparsities on "
                    f"{n_images} calibration images, {where} (one capture pass)")
     return compute_rr_curves(m, layers, feeds, grid=grid, n_images=n_images,
-                             positions=positions, seed=seed, providers=providers)
+                             positions=positions, seed=seed, providers=providers,
+                             executor=executor)
 
 
 def _pruner(m, structure, feeds, *, keep_dense, curves, rr_prior, rr_gamma, rr_cap,
@@ -143,7 +145,33 @@ def _cts_text(tr: dict, all_bn: bool) -> list[str]:
 
 # --------------------------------------------------------------------------- rr
 
-def rr_report(model, *, data, labels=None, grid=None, rr_images=64, rr_positions=16,
+@contextmanager
+def _using(executor, jobs):
+    """The executor for ``executor`` (None: this process), closed afterwards if made here."""
+    from .executor import Executor, make_executor
+
+    if executor is None or isinstance(executor, Executor):
+        yield executor
+        return
+    ex = make_executor(executor, jobs=jobs)
+    try:
+        yield ex
+    finally:
+        ex.close()
+
+
+def rr_report(model, *, executor=None, jobs=None, **kwargs) -> CommandResult:
+    """RR curves per prunable layer and the predicted transition band (``onnxdiag rr``).
+
+    Parameters as :func:`_rr_report`; ``executor`` (``local``, ``ray``, ``ray=HOST:PORT``
+    or an Executor; default this process): one unit per layer for the RR curves and one
+    per cell for the label-free scan.
+    """
+    with _using(executor, jobs) as ex:
+        return _rr_report(model, ex=ex, **kwargs)
+
+
+def _rr_report(model, *, ex=None, data, labels=None, grid=None, rr_images=64, rr_positions=16,
               band_sparsity=DEFAULT_BAND,
               allocation="rr", keep_dense=(), rr_prior="erk", rr_gamma=1.0, rr_cap=0.99,
               force_projection=False, alpha_cap=100.0, recalibrate="affected", limit=None,
@@ -171,7 +199,8 @@ def rr_report(model, *, data, labels=None, grid=None, rr_images=64, rr_positions
                                            features=features)
     layers = find_prunable(structure, keep_dense)
     curves = _curves(m, layers, feeds, grid=rr_grid, n_images=rr_images,
-                     positions=rr_positions, seed=seed, providers=providers, progress=progress)
+                     positions=rr_positions, seed=seed, providers=providers,
+                     progress=progress, executor=ex)
     section = {"curves": curves.to_dict(), "layers": _layer_rows(curves, layers),
                "keep_dense": list(keep_dense), "transition": None}
     methods = ["cr+bn", "bn"]
@@ -181,7 +210,7 @@ def rr_report(model, *, data, labels=None, grid=None, rr_images=64, rr_positions
                          force_projection=force_projection, alpha_cap=alpha_cap,
                          recalibrate=recalibrate, providers=providers)
         cells = run_sweep(pruner, band, [allocation], methods,
-                          on_cell=_cell_printer(progress))
+                          on_cell=_cell_printer(progress), executor=ex)
         section["transition"] = {**transition_summary(cells, allocation, methods),
                                  "n_images": pruner.n_images,
                                  "cells": [c.to_dict() for c in cells],
@@ -195,6 +224,7 @@ def rr_report(model, *, data, labels=None, grid=None, rr_images=64, rr_positions
                   providers=providers, head=head, features=features, defaults=DEFAULTS)
     meta = build_metadata(command="rr", parameters=params, model_path=model,
                           model_hash=model_hash(m), data={"calibration": calib.describe()})
+    meta["executor"] = ex.describe() if ex is not None else {"kind": "in-process"}
     report = {"schema": SCHEMA_VERSION, "metadata": meta, "repairability": section}
     text = _header(meta) + render_rr(section)
     files = {"rr_curves.csv": _curves_csv(curves)}
@@ -513,7 +543,8 @@ def sweep_report(model, *, sparsity, allocations="all", repairs="cr+bn,bn,none",
 
         layers = find_prunable(structure, keep_dense)
         curves = _curves(m, layers, feeds, n_images=rr_images, positions=rr_positions, seed=seed,
-                         providers=providers, progress=progress) if _needs_rr(rules) else None
+                         providers=providers, progress=progress,
+                         executor=ex) if _needs_rr(rules) else None
         pruner = _pruner(m, structure, feeds, keep_dense=keep_dense, curves=curves,
                          rr_prior=rr_prior, rr_gamma=rr_gamma, rr_cap=rr_cap,
                          force_projection=force_projection, alpha_cap=alpha_cap,

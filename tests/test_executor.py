@@ -58,18 +58,6 @@ def test_ray_missing_gives_install_hint(monkeypatch, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-@pytest.fixture(scope="module")
-def ray_executor():
-    ray = pytest.importorskip("ray")
-    from onnxdiag.executor import RayExecutor
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)  # 2 worker processes
-    try:
-        yield RayExecutor()
-    finally:
-        ray.shutdown()
-
-
 def _series(tmp_path):
     broken = tmp_path / "ckpt_broken.onnx"
     broken.write_bytes(b"not an onnx file")

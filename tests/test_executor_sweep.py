@@ -1,5 +1,6 @@
 """`sweep` with one unit of work per cell: local processes and Ray equal the in-process run."""
 
+import numpy as np
 import pytest
 
 from onnxdiag.sample import get_sample
@@ -56,3 +57,44 @@ def test_ray_equals_in_process(in_process):
             ray.shutdown()
     assert res.report["metadata"]["executor"]["kind"] == "ray"
     _assert_same(in_process, _cells(res))
+
+
+def _rr(executor=None, positions=16):
+    from onnxdiag.data import open_data
+    from onnxdiag.graph import analyze_structure
+    from onnxdiag.model_io import get_input_specs, load_model
+    from onnxdiag.sparsity import compute_rr_curves, find_prunable
+
+    m = load_model(SAMPLE.model)
+    layers = find_prunable(analyze_structure(m))
+    source = open_data(str(SAMPLE.calibration), get_input_specs(m), limit=80, seed=0)
+    return compute_rr_curves(m, layers, source, n_images=80, positions=positions,
+                             executor=executor)
+
+
+@pytest.mark.parametrize("positions", [16, "all"])
+def test_rr_curves_one_unit_per_layer_equal_in_process(positions):
+    from onnxdiag.executor import LocalExecutor
+
+    a, b = _rr(positions=positions), _rr(LocalExecutor(2), positions)
+    assert a.layers == b.layers and a.n_samples == b.n_samples
+    np.testing.assert_array_equal(a.rr, b.rr)
+    np.testing.assert_array_equal(a.d_raw, b.d_raw)
+
+
+def test_rr_curves_on_ray_equal_in_process():
+    ray = pytest.importorskip("ray")
+    from onnxdiag.executor import RayExecutor
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        b = _rr(RayExecutor())
+    finally:
+        if started:
+            ray.shutdown()
+    a = _rr()
+    # float32 Gram products per batch: BLAS thread counts differ between Ray workers and
+    # this process, so sums may round differently (measured: 2e-8).
+    np.testing.assert_allclose(b.rr, a.rr, rtol=0, atol=1e-6)
