@@ -35,6 +35,9 @@ def reports(tmp_path_factory):
         "rr": ["rr", SAMPLE.model, *data],
         "sweep": ["sweep", SAMPLE.model, *data, "--sparsity", "0.5:0.7:0.1", "--allocations",
                   "erk,rr", "--repairs", "cr+bn"],
+        "prune-sweep": ["prune-sweep", SAMPLE.model, "--data", SAMPLE.calibration, "--limit", 120,
+                        "--eval-data", SAMPLE.evaluation, "--ratios", "0.25,0.5", "--scores",
+                        "magnitude,random"],
     }
     out = {}
     for name, args in commands.items():
@@ -48,7 +51,8 @@ def test_schema_is_a_valid_draft_2020_12_schema():
     jsonschema.Draft202012Validator.check_schema(load_schema())
 
 
-@pytest.mark.parametrize("verb", ["analyze", "readouts", "select", "channels", "rr", "sweep"])
+@pytest.mark.parametrize("verb", ["analyze", "readouts", "select", "channels", "rr", "sweep",
+                                  "prune-sweep"])
 def test_reports_validate_against_the_published_schema(reports, verb):
     report = json.loads((reports[verb] / "report.json").read_text())
     validate_report(report)
@@ -76,7 +80,8 @@ def test_html_has_one_decodable_plot_per_section(reports):
 
     # analyze: the transition scan of its repairability section; rr: RR curves + scan;
     # sweep: accuracy vs sparsity + per-layer sparsity bars.
-    expected = {"analyze": 1, "readouts": 0, "select": 1, "channels": 1, "rr": 2, "sweep": 2}
+    expected = {"analyze": 1, "readouts": 0, "select": 1, "channels": 1, "rr": 2, "sweep": 2,
+                "prune-sweep": 1}
     for verb, n in expected.items():
         page = (reports[verb] / "report.html").read_text()
         imgs = _images(page)

@@ -284,24 +284,33 @@ def _plot_allocation_bars(cells: list, repair) -> list:
 
 def _plot_prune_sweep(report: dict) -> list:
     ps = report.get("prune_sweep")
-    if not isinstance(ps, dict) or not ps.get("cells"):
+    if not isinstance(ps, dict) or not ps.get("rows"):
         return []
-    cells = ps["cells"]
-    scores = sorted({c["score"] for c in cells})
+    rows = [r for r in ps["rows"] if r.get("kept_fraction") is not None]
+    scores = list(dict.fromkeys(r["score"] for r in rows))
+    auc = ps.get("auc") or {}
     fig, axes = _figure(1, 1, width=9, height=4.4)
     ax = axes[0]
+    dense = ps.get("dense_accuracy")
+    after_dense = ps.get("dense_accuracy_after_recovery")
     for k, score in enumerate(scores):
-        pts = sorted((c.get("kept_fraction", 1 - c.get("ratio", 0)), c.get("accuracy"),
-                      c.get("accuracy_after")) for c in cells if c["score"] == score)
-        xs = [p[0] for p in pts]
-        ax.plot(xs, _finite(p[1] for p in pts), "o-", ms=3, color=f"C{k}", label=score)
+        pts = sorted((r["kept_fraction"], r.get("accuracy_before"), r.get("accuracy_after"))
+                     for r in rows if r["score"] == score)
+        xs = [1.0] + [p[0] for p in pts] if dense is not None else [p[0] for p in pts]
+        before = ([dense] if dense is not None else []) + [p[1] for p in pts]
+        a = (auc.get(score) or {}).get("before")
+        ax.plot(xs, _finite(before), "o-", ms=3, color=f"C{k}",
+                label=score + ("" if a is None else f" (AUC {a:.3f})"))
         if any(p[2] is not None for p in pts):
-            ax.plot(xs, _finite(p[2] for p in pts), "s--", ms=3, color=f"C{k}")
+            after = ([after_dense] if dense is not None else []) + [p[2] for p in pts]
+            ax.plot(xs, _finite(after), "s--", ms=3, color=f"C{k}")
     ax.set_xlabel("kept channel fraction")
-    ax.set_ylabel("accuracy")
+    ax.set_ylabel("top-1 accuracy")
+    ax.invert_xaxis()
     ax.legend(fontsize=7)
     return [("Accuracy vs kept channels per score",
-             "Solid: after pruning; dashed: after recovery fine-tuning.", _png(fig))]
+             "Solid: right after pruning; dashed: after recovery fine-tuning; the first point "
+             "is the dense model. AUC: normalised area under the solid curve.", _png(fig))]
 
 
 PLOTTERS: list[Callable[[dict], list]] = [_plot_selection, _plot_channels,
