@@ -122,15 +122,8 @@ def channels_report(models, *, data, labels=None, limit=None, seed=0, batch_size
     meta["executor"] = ran_on
     report = {"schema": SCHEMA_VERSION, "metadata": meta, "channels": section}
     text = _header(meta) + render_channels(section)
-    files_csv = channel_rows_csv(per_model[-1][2])
-    result = _finish("channels", report, text, text, None, overwrite)
-    if folder is not None:
-        from .report import to_json, write_report
-
-        write_report(folder, {"report.json": to_json(report), "report.txt": text,
-                              "channels.csv": files_csv}, overwrite=overwrite)
-        result.folder = folder
-    return result
+    return _finish("channels", report, text, text, folder, overwrite,
+                   csv=channel_rows_csv(per_model[-1][2]), csv_name="channels.csv")
 
 
 def _section(per_model) -> dict:
@@ -307,14 +300,8 @@ def lesion_report(model, *, eval_data, layers, eval_labels=None, data=None, labe
                           model_hash=model_hash(m), data={"eval": evaluation.describe()})
     report = {"schema": SCHEMA_VERSION, "metadata": meta, "lesion": section}
     text = _header(meta) + render_lesions(section)
-    files = {"report.json": None, "report.txt": text, "lesions.csv": _csv(section["rows"])}
-    result = CommandResult(report=report, summary=text, text=text)
-    if folder is not None:
-        from .report import to_json, write_report
-
-        files["report.json"] = to_json(report)
-        result.folder = write_report(folder, files, overwrite=overwrite)
-    return result
+    return _finish("lesion", report, text, text, folder, overwrite,
+                   csv=_csv(section["rows"]), csv_name="lesions.csv")
 
 
 def _unknown_layer(name, structure):

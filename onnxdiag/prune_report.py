@@ -188,7 +188,12 @@ def prune_channels_report(model, *, output, ratio=0.5, score="two_axis", data=No
                                           eval_data=eval_data))
     report = {"schema": SCHEMA_VERSION, "metadata": meta, "prune_channels": info}
     text = _header(meta) + render_prune(info)
-    return _finish("prune-channels", report, text, text, folder, overwrite)
+    from .report import rows_to_csv
+
+    widths = [{"layer": name, "channels_before": w[0], "channels_after": w[1]}
+              for name, w in (info["record"].get("widths") or {}).items()]
+    return _finish("prune-channels", report, text, text, folder, overwrite,
+                   csv=rows_to_csv(widths), csv_name="layers.csv")
 
 
 def the_groups(structure, plan) -> dict:
@@ -483,13 +488,10 @@ def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES
     meta["executor"] = ran_on
     report = {"schema": SCHEMA_VERSION, "metadata": meta, "prune_sweep": section}
     text = _header(meta) + render_sweep(section)
-    if folder is not None:
-        from .channel_report import _csv
-        from .report import to_json, write_report
+    from .channel_report import _csv
 
-        write_report(folder, {"report.json": to_json(report), "report.txt": text,
-                              "sweep.csv": _csv(rows)}, overwrite=overwrite)
-    return CommandResult(report=report, summary=text, text=text, folder=folder)
+    return _finish("prune-sweep", report, text, text, folder, overwrite, csv=_csv(rows),
+                   csv_name="sweep.csv")
 
 
 def summarize_sweep(rows, dense, scores, budget, finetune, dense_after=None) -> dict:

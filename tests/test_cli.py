@@ -195,3 +195,17 @@ def test_format_csv_matches_the_json_report(tmp_path):
 def test_format_csv_without_a_table_is_a_user_error(tmp_path):
     res = run("analyze", get_sample().model, "--format", "csv", "--out", tmp_path / "r")
     assert_user_error(res, "no table to print as CSV")
+
+
+def test_every_report_folder_holds_its_main_table_as_csv(tmp_path):
+    sample = get_sample()
+    out = tmp_path / "ch"
+    res = run("channels", sample.model, "--data", sample.calibration, "--limit", 60,
+              "--format", "csv", "--out", out)
+    assert res.exit_code == 0, res.output
+    assert (out / "channels.csv").read_text() == res.stdout
+    header = res.stdout.splitlines()[0].split(",")
+    assert header[:2] == ["layer", "channel"] and "task_info" in header
+    report = json.loads((out / "report.json").read_text())
+    n_channels = sum(layer["n_channels"] for layer in report["channels"]["layers"])
+    assert len(res.stdout.splitlines()) == 1 + n_channels
