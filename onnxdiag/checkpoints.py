@@ -153,7 +153,7 @@ def score_checkpoints(checkpoints: Sequence[Checkpoint], probe_args: dict,
     shipped once through the object store; locally each worker reads them from the
     source. Results come back in series order; failed checkpoints carry ``error``.
     """
-    from .executor import LocalExecutor, RayExecutor
+    from .executor import LocalExecutor, RayExecutor, wants_gpu
 
     options = dict(options or {})
     executor = executor or LocalExecutor(jobs)
@@ -168,7 +168,7 @@ def score_checkpoints(checkpoints: Sequence[Checkpoint], probe_args: dict,
     for i, scored, error in executor.map(_score_unit, checkpoints,
                                          (probe_args, eval_args, options),
                                          label="Scoring checkpoints" if progress else None,
-                                         gpu=_wants_gpu(options.get("providers"))):
+                                         gpu=wants_gpu(options.get("providers"))):
         if scored is None:  # the unit itself died (worker crash); keep the message
             scored = ScoredCheckpoint(checkpoints[i], None, error)
         results[i] = scored
@@ -182,11 +182,6 @@ def score_checkpoints(checkpoints: Sequence[Checkpoint], probe_args: dict,
 
 def _score_unit(checkpoint, probe_args, eval_args, options):
     return score_checkpoint(checkpoint, probe_args, eval_args, options)
-
-
-def _wants_gpu(providers) -> bool:
-    text = ",".join(providers) if isinstance(providers, (list, tuple)) else str(providers or "")
-    return "cuda" in text.lower() or "tensorrt" in text.lower()
 
 
 def _materialize(checkpoints, probe_args: dict, eval_args: dict | None):

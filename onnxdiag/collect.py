@@ -430,10 +430,9 @@ def collect_channel_moments_sharded(model, structure, data, *, executor, labels=
 
 
 def _wants_gpu(providers) -> bool:
-    """A task asks Ray for a GPU only when the providers request CUDA / TensorRT."""
-    from .checkpoints import _wants_gpu as wants
+    from .executor import wants_gpu
 
-    return wants(providers)
+    return wants_gpu(providers)
 
 
 def _shard_unit(item: ShardUnit, model_bytes: bytes, data_args: dict | None,

@@ -217,6 +217,13 @@ def worker_count(executor: Executor) -> int:
     return 1
 
 
+def wants_gpu(providers) -> bool:
+    """Whether ``providers`` (a list or a comma string) request CUDA / TensorRT: only then
+    does a task ask Ray for a GPU."""
+    text = ",".join(providers) if isinstance(providers, (list, tuple)) else str(providers or "")
+    return "cuda" in text.lower() or "tensorrt" in text.lower()
+
+
 def make_executor(spec: str | ExecutorSpec | None = None, *, jobs: int | None = None) -> Executor:
     """The executor for a ``--executor`` value (``jobs``: local worker processes)."""
     spec = parse_executor(spec)

@@ -257,6 +257,13 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike, *, protect=(),
     return out
 
 
+def _default_mode() -> int:
+    """The permissions ``open(path, "w")`` would give a new file (0666 minus the umask)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write text to ``path`` via a temporary file and rename (no partial files)."""
     out = Path(path)
@@ -264,6 +271,7 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(tmp, _default_mode())  # mkstemp creates 0600; a written file is 0666 & ~umask
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

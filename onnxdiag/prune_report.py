@@ -585,10 +585,9 @@ _CELL_CACHE: dict = {}  # per worker process: the sweep's model, structure and d
 
 
 def _wants_gpu(providers) -> bool:
-    """A task asks Ray for a GPU only when the providers request CUDA / TensorRT."""
-    from .checkpoints import _wants_gpu as wants
+    from .executor import wants_gpu
 
-    return wants(providers)
+    return wants_gpu(providers)
 
 
 def _materialize_source(source) -> dict:

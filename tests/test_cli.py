@@ -209,3 +209,21 @@ def test_every_report_folder_holds_its_main_table_as_csv(tmp_path):
     report = json.loads((out / "report.json").read_text())
     n_channels = sum(layer["n_channels"] for layer in report["channels"]["layers"])
     assert len(res.stdout.splitlines()) == 1 + n_channels
+
+
+def test_outputs_get_the_usual_permissions(tmp_path):
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        sample = get_sample()
+        res = run("prune", sample.model, "--data", sample.calibration, "--limit", 40,
+                  "--sparsity", 0.5, "--allocation", "erk", "--repair", "bn",
+                  "-o", tmp_path / "p.onnx", "--out", tmp_path / "r")
+        assert res.exit_code == 0, res.output
+    finally:
+        os.umask(old)
+    for path, mode in [(tmp_path / "r", 0o755), (tmp_path / "r" / "report.json", 0o644),
+                       (tmp_path / "p.onnx", 0o644), (tmp_path / "p.onnx.json", 0o644)]:
+        assert stat.S_IMODE(path.stat().st_mode) == mode, path

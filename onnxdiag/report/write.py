@@ -42,6 +42,7 @@ def write_report(folder, files: dict[str, str | bytes], *, overwrite: bool = Fal
     parent = ensure_writable_dir(folder.parent)
     tmp = Path(tempfile.mkdtemp(dir=parent, prefix=f".{folder.name}.tmp-"))
     try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; a new folder is 0777 & ~umask
         for name, content in files.items():
             mode = "wb" if isinstance(content, bytes) else "w"
             with open(tmp / name, mode, **({} if mode == "wb" else {"encoding": "utf-8"})) as f:
@@ -71,3 +72,9 @@ def _with_html(files: dict[str, str | bytes]) -> dict[str, str | bytes]:
     page = render_html(json.loads(files["report.json"]),
                        text if isinstance(text, str) else None)
     return files if page is None else {**files, "report.html": page}
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -265,12 +265,14 @@ def _run_on(executor, pruner, grid, rules, methods, eval_source, on_cell) -> lis
     curves) and the evaluation batches are shipped once; cells come back in grid order."""
     import dataclasses
 
+    from ..executor import wants_gpu
+
     keys = [(float(S), rule, method) for S in grid for rule in rules for method in methods]
     eval_batches = None if eval_source is None else list(eval_source.batches())
     worker = dataclasses.replace(pruner, threads=1)  # one core per unit
     out: dict[int, SweepCell] = {}
     for i, cell, error in executor.map(_sweep_cell, keys, (worker, eval_batches),
-                                       gpu="cuda" in str(pruner.providers or "").lower()):
+                                       gpu=wants_gpu(pruner.providers)):
         if cell is None:  # the unit failed outside the allocation: keep the message
             cell = SweepCell(keys[i][0], keys[i][1], keys[i][2], error=error)
         out[i] = cell
