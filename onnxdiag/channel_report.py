@@ -70,7 +70,7 @@ def channels_report(models, *, data, labels=None, limit=None, seed=0, batch_size
     """
     from .clustering import summarize_layers
     from .collect import collect_channel_moments, collect_channel_moments_sharded
-    from .executor import Executor, LocalExecutor, make_executor, parse_executor
+    from .executor import Executor, LocalExecutor, open_executor
     from .graph import analyze_structure
     from .model_io import get_input_specs, load_model, model_hash
 
@@ -83,12 +83,7 @@ def channels_report(models, *, data, labels=None, limit=None, seed=0, batch_size
                   n_positions=n_positions, k_peers=k_peers, ridge=ridge, layers=layers,
                   executor=str(executor or "local") if not isinstance(executor, Executor)
                   else executor.name, jobs=jobs)
-    own = not isinstance(executor, Executor)
-    if own:
-        spec = parse_executor(executor)
-        ex = make_executor(spec, jobs=(jobs or 1) if spec.kind == "local" else jobs)
-    else:
-        ex = executor
+    ex, own = open_executor(executor, jobs, local_jobs=1)
     single = isinstance(ex, LocalExecutor) and (ex.jobs or 0) == 1
     label = "Channel statistics" if progress else None
     per_model, hashes = [], []

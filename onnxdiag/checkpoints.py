@@ -15,8 +15,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from .errors import OnnxDiagError
 
 MODEL_SUFFIXES = (".onnx",)
@@ -201,15 +199,9 @@ def _materialize(checkpoints, probe_args: dict, eval_args: dict | None):
 
     def read(args):
         source = open_data(inputs=specs, **args)
-        feeds, labels = {}, []
-        for batch in source.batches():
-            for k, v in batch.feeds.items():
-                feeds.setdefault(k, []).append(v)
-            if batch.labels is not None:
-                labels.append(batch.labels)
-        arrays = {k: np.concatenate(v) for k, v in feeds.items()}
-        if labels:
-            arrays["labels"] = np.concatenate(labels)
+        arrays, labels = source.to_arrays()
+        if labels is not None:
+            arrays["labels"] = labels
         shipped = dict(source=arrays, batch_size=source.batch_size)
         return shipped, source.describe()
 

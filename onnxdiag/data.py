@@ -158,6 +158,18 @@ class DataSource:
         self._indices = np.concatenate(seen)
         self._n_source = self._stream.n_seen
 
+    def to_arrays(self) -> tuple[dict[str, np.ndarray], np.ndarray | None]:
+        """Every selected sample in memory, in order: ({input: array}, labels or None)
+        (to ship a probe or evaluation set once to remote workers)."""
+        feeds, labels = {}, []
+        for batch in self.batches():
+            for k, v in batch.feeds.items():
+                feeds.setdefault(k, []).append(v)
+            if batch.labels is not None:
+                labels.append(batch.labels)
+        arrays = {k: np.concatenate(v) for k, v in feeds.items()}
+        return arrays, (np.concatenate(labels) if labels else None)
+
     def describe(self) -> dict:
         """Builtins for report metadata: what was read and which samples."""
         subset = self.limit is not None and self._indices is not None

@@ -224,6 +224,18 @@ def wants_gpu(providers) -> bool:
     return "cuda" in text.lower() or "tensorrt" in text.lower()
 
 
+def open_executor(executor, jobs: int | None = None, *,
+                  local_jobs: int | None = None) -> tuple[Executor, bool]:
+    """``(executor, own)`` for a verb's ``executor`` argument: an Executor is used as given
+    (``own`` False); a spec string or None is made here (``own`` True: close it after).
+    ``local_jobs``: worker processes for ``local`` when ``jobs`` is None (1 = in process)."""
+    if isinstance(executor, Executor):
+        return executor, False
+    spec = parse_executor(executor)
+    n = jobs if jobs is not None or spec.kind != "local" else local_jobs
+    return make_executor(spec, jobs=n), True
+
+
 def make_executor(spec: str | ExecutorSpec | None = None, *, jobs: int | None = None) -> Executor:
     """The executor for a ``--executor`` value (``jobs``: local worker processes)."""
     spec = parse_executor(spec)

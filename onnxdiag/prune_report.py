@@ -355,7 +355,7 @@ def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES
     other cells are kept; a score with a failed cell gets no AUC. With ``finetune`` on
     Ray every node needs the [training] extra.
     """
-    from .executor import Executor, LocalExecutor, RayExecutor, make_executor, parse_executor
+    from .executor import LocalExecutor, RayExecutor, open_executor
     from .finetune import _import_training
     from .graph import analyze_structure
     from .model_io import get_input_specs, load_model
@@ -405,12 +405,7 @@ def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES
 
         dense_after = finetune_model(m, train, epochs=epochs, lr=lr, max_batches=max_batches,
                                      seed=seed, eval_source=evaluation)[1].accuracy_after
-    own = not isinstance(executor, Executor)
-    if own:
-        spec = parse_executor(executor)
-        ex = make_executor(spec, jobs=(jobs or 1) if spec.kind == "local" else jobs)
-    else:
-        ex = executor
+    ex, own = open_executor(executor, jobs, local_jobs=1)
     single = isinstance(ex, LocalExecutor) and (ex.jobs or 0) == 1
     try:
         cs = None
@@ -592,15 +587,8 @@ def _wants_gpu(providers) -> bool:
 
 def _materialize_source(source) -> dict:
     """A DataSource's samples (in order) as arrays + labels, to ship once to Ray workers."""
-    feeds, labels = {}, []
-    for batch in source.batches():
-        for k, v in batch.feeds.items():
-            feeds.setdefault(k, []).append(v)
-        if batch.labels is not None:
-            labels.append(batch.labels)
-    arrays = {k: np.concatenate(v) for k, v in feeds.items()}
-    return dict(source=arrays, labels=np.concatenate(labels) if labels else None,
-                seed=source.seed, batch_size=source.batch_size)
+    arrays, labels = source.to_arrays()
+    return dict(source=arrays, labels=labels, seed=source.seed, batch_size=source.batch_size)
 
 
 def _cell_context(model_bytes: bytes, ctx: dict):
