@@ -1,0 +1,75 @@
+"""Shared helpers of the zoo studies (tools/study_*.py): finding the runs of a zoo made by
+tools/train_zoo.py and printing Markdown tables."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import time
+from pathlib import Path
+
+ARCH_ORDER = ("resnet18", "resnet34", "vgg16_bn", "mobilenetv2")
+
+
+def load_runs(zoo: Path, names: list[str] | None = None) -> dict[str, dict]:
+    """run name -> manifest for every COMPLETE run in `zoo` (in ARCH_ORDER, cosine first)."""
+    runs = {}
+    for m_path in sorted(zoo.glob("*/manifest.json")):
+        m = json.loads(m_path.read_text())
+        if not m.get("complete") or (names and m["run"] not in names):
+            continue
+        m["dir"] = m_path.parent
+        runs[m["run"]] = m
+
+    def key(name):
+        m = runs[name]
+        arch = ARCH_ORDER.index(m["arch"]) if m["arch"] in ARCH_ORDER else 99
+        return (m["schedule"] != "cosine", arch, m["seed"])
+
+    return {n: runs[n] for n in sorted(runs, key=key)}
+
+
+def missing_runs(zoo: Path, runs: dict) -> list[str]:
+    """Run folders in `zoo` that are not complete (still training or interrupted)."""
+    return sorted(p.name for p in zoo.iterdir()
+                  if p.is_dir() and (p / "checkpoints").is_dir() and p.name not in runs)
+
+
+def ckpt_paths(m: dict) -> list[Path]:
+    return [m["dir"] / "checkpoints" / r["path"] for r in m["checkpoints"]]
+
+
+def fmt(x, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "–"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    """A Markdown table; floats are printed with fmt()."""
+    out = ["| " + " | ".join(header) + " |",
+           "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
+    for r in rows:
+        out.append("| " + " | ".join(fmt(c) if not isinstance(c, str) else c for c in r) + " |")
+    return "\n".join(out)
+
+
+def preamble(title: str, command: str, zoo: Path) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return (f"## {title}\n\n`{command}`\n\nzoo `{zoo}`; {when}; {platform.machine()}, "
+            f"{_cores()} CPU cores; onnxdiag {_version()}\n")
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0))
+
+
+def _version() -> str:
+    import onnxdiag
+
+    return onnxdiag.__version__
