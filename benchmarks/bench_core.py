@@ -60,6 +60,9 @@ def best_of_interleaved(fns: dict, repeat: int) -> dict:
     cpu = dict.fromkeys(fns, float("inf"))
     for _ in range(repeat):
         for name, fn in fns.items():
+            # Let the previous variant's ORT threads stop spin-waiting first: their spin
+            # would otherwise be charged to whichever variant runs next.
+            time.sleep(0.2)
             t0, c0 = time.perf_counter(), time.process_time()
             fn()
             best[name] = min(best[name], time.perf_counter() - t0)
