@@ -231,7 +231,7 @@ def select_report(checkpoints, *, data, labels=None, eval_data=None, eval_labels
     checkpoint, the probe batch shipped once), or an :class:`~onnxdiag.executor.Executor`.
     """
     from .checkpoints import list_checkpoints, score_checkpoints
-    from .executor import Executor, make_executor
+    from .executor import open_executor
     from .readouts import HEAD_GRAD_NAMES, get_readout
 
     folder = _check_out(out, "select", overwrite, write)
@@ -243,8 +243,7 @@ def select_report(checkpoints, *, data, labels=None, eval_data=None, eval_labels
                                                     seed=seed, batch_size=batch_size)
     options = dict(head=head, features=features, targets=targets, norm=norm,
                    include_bias=include_bias, providers=providers)
-    own = not isinstance(executor, Executor)
-    ex = make_executor(executor, jobs=jobs) if own else executor
+    ex, own = open_executor(executor, jobs)
     try:
         scored = score_checkpoints(series, probe_args, eval_args, options=options, jobs=jobs,
                                    progress=progress, executor=ex)

@@ -94,6 +94,22 @@ class ChannelStats:
     data: dict = field(default_factory=dict)
 
 
+def _check_request(task_samples, targets, source, structure, layers) -> tuple[str, list]:
+    """(resolved targets, analysed layers) of a statistics pass, or a one-line user error."""
+    if task_samples not in TASK_SAMPLES:
+        raise OnnxDiagError(f"--task-samples must be one of {', '.join(TASK_SAMPLES)}; "
+                            f"got {task_samples!r}.")
+    targets = resolve_targets(targets, source.has_labels)
+    if targets == "expected":
+        raise OnnxDiagError("Channel targets must be 'labels' or 'pseudo' (the logit margin); "
+                            "'expected' applies to readouts only.")
+    chosen = find_analysed_layers(structure, layers)
+    if not chosen:
+        raise OnnxDiagError("No conv layer with at least 4 output channels to analyse; "
+                            "`onnxdiag inspect MODEL` lists the layers.")
+    return targets, chosen
+
+
 def collect_channel_moments(model, structure, source, *, layers=None, n_positions: int = 16,
                             task_samples: str = "match", targets: str = "auto", seed: int = 0,
                             providers=None, label: str | None = None,
@@ -107,17 +123,7 @@ def collect_channel_moments(model, structure, source, *, layers=None, n_position
     across passes (otherwise one is made). ``overlap``: fold each batch's statistics on
     a worker thread while the next batch runs (same result, in the same order).
     """
-    if task_samples not in TASK_SAMPLES:
-        raise OnnxDiagError(f"--task-samples must be one of {', '.join(TASK_SAMPLES)}; "
-                            f"got {task_samples!r}.")
-    targets = resolve_targets(targets, source.has_labels)
-    if targets == "expected":
-        raise OnnxDiagError("Channel targets must be 'labels' or 'pseudo' (the logit margin); "
-                            "'expected' applies to readouts only.")
-    chosen = find_analysed_layers(structure, layers)
-    if not chosen:
-        raise OnnxDiagError("No conv layer with at least 4 output channels to analyse; "
-                            "`onnxdiag inspect MODEL` lists the layers.")
+    targets, chosen = _check_request(task_samples, targets, source, structure, layers)
     head = structure.head
     names = _exposed_names(chosen, head)
     if runner is None:
@@ -359,19 +365,11 @@ def collect_channel_moments_sharded(model, structure, data, *, executor, labels=
     from .executor import LocalExecutor, RayExecutor, worker_count
     from .model_io import get_input_specs
 
-    if task_samples not in TASK_SAMPLES:
-        raise OnnxDiagError(f"--task-samples must be one of {', '.join(TASK_SAMPLES)}; "
-                            f"got {task_samples!r}.")
+    if task_samples not in TASK_SAMPLES:  # checked before the data are opened
+        _check_request(task_samples, targets, None, structure, layers)
     source = open_data(data, get_input_specs(model), labels=labels, limit=limit, seed=seed,
                        batch_size=batch_size)
-    resolved = resolve_targets(targets, source.has_labels)
-    if resolved == "expected":
-        raise OnnxDiagError("Channel targets must be 'labels' or 'pseudo' (the logit margin); "
-                            "'expected' applies to readouts only.")
-    chosen = find_analysed_layers(structure, layers)
-    if not chosen:
-        raise OnnxDiagError("No conv layer with at least 4 output channels to analyse; "
-                            "`onnxdiag inspect MODEL` lists the layers.")
+    resolved, chosen = _check_request(task_samples, targets, source, structure, layers)
     bs = source.batch_size
     by_path = not ship and _readable_by_path(data, source)
     if by_path:

@@ -148,16 +148,14 @@ def _cts_text(tr: dict, all_bn: bool) -> list[str]:
 @contextmanager
 def _using(executor, jobs):
     """The executor for ``executor`` (None: this process), closed afterwards if made here."""
-    from .executor import Executor, make_executor
+    from .executor import open_executor
 
-    if executor is None or isinstance(executor, Executor):
-        yield executor
-        return
-    ex = make_executor(executor, jobs=jobs)
+    ex, own = (None, False) if executor is None else open_executor(executor, jobs)
     try:
         yield ex
     finally:
-        ex.close()
+        if own:
+            ex.close()
 
 
 def rr_report(model, *, executor=None, jobs=None, **kwargs) -> CommandResult:
@@ -507,7 +505,18 @@ def render_prune_sparse(info: dict) -> str:
 
 # --------------------------------------------------------------------------- sweep
 
-def sweep_report(model, *, sparsity, allocations="all", repairs="cr+bn,bn,none", data,
+def sweep_report(model, *, executor=None, jobs=None, **kwargs) -> CommandResult:
+    """Accuracy / agreement table over sparsity × allocation × repair (``onnxdiag sweep``).
+
+    Parameters as :func:`_sweep_report`; ``executor`` (``local`` with ``jobs`` worker
+    processes, ``ray``, ``ray=HOST:PORT`` or an Executor; default this process): one unit
+    per cell and per RR layer.
+    """
+    with _using(executor, jobs) as ex:
+        return _sweep_report(model, ex=ex, executor=executor, jobs=jobs, **kwargs)
+
+
+def _sweep_report(model, *, ex=None, sparsity, allocations="all", repairs="cr+bn,bn,none", data,
                  labels=None, eval_data=None, eval_labels=None, keep_dense=(), rr_images=64,
                  rr_positions=16, rr_prior="erk", rr_gamma=1.0, rr_cap=0.99, force_projection=False,
                  alpha_cap=100.0, recalibrate="affected", limit=None, seed=0, batch_size=64,
@@ -529,40 +538,27 @@ def sweep_report(model, *, sparsity, allocations="all", repairs="cr+bn,bn,none",
     rules = parse_choices(allocations, RULES, "allocation")
     methods = parse_choices(repairs, METHODS, "repair")
     folder = _check_out(out, "sweep", overwrite, write)
-    from .executor import Executor, make_executor
+    m, structure, specs, calib, feeds = _setup(model, data=data, labels=labels, limit=limit,
+                                               seed=seed, batch_size=batch_size, head=head,
+                                               features=features)
+    evaluation = None if eval_data is None else _open(eval_data, specs, labels=eval_labels,
+                                                      seed=seed, batch_size=batch_size)
+    from .sparsity import find_prunable
 
-    own = executor is not None and not isinstance(executor, Executor)
-    ex = make_executor(executor, jobs=jobs) if own else executor  # fails before any work
-    try:
-        m, structure, specs, calib, feeds = _setup(model, data=data, labels=labels, limit=limit,
-                                                   seed=seed, batch_size=batch_size, head=head,
-                                                   features=features)
-        evaluation = None if eval_data is None else _open(eval_data, specs, labels=eval_labels,
-                                                          seed=seed, batch_size=batch_size)
-        from .sparsity import find_prunable
-
-        layers = find_prunable(structure, keep_dense)
-        curves = _curves(m, layers, feeds, n_images=rr_images, positions=rr_positions, seed=seed,
-                         providers=providers, progress=progress,
-                         executor=ex) if _needs_rr(rules) else None
-        pruner = _pruner(m, structure, feeds, keep_dense=keep_dense, curves=curves,
-                         rr_prior=rr_prior, rr_gamma=rr_gamma, rr_cap=rr_cap,
-                         force_projection=force_projection, alpha_cap=alpha_cap,
-                         recalibrate=recalibrate, providers=providers)
-        _, dense_eval = pruner.measure(m, evaluation)
-        _say(progress, f"Sweep: {len(grid)} sparsities x {len(rules)} allocations x "
-                       f"{len(methods)} repairs on {pruner.n_images} calibration images")
-    except BaseException:
-        if own:
-            ex.close()
-        raise
-    try:
-        cells = run_sweep(pruner, grid, rules, methods, eval_source=evaluation,
-                          on_cell=_cell_printer(progress), executor=ex)
-        ran_on = ex.describe() if ex is not None else {"kind": "in-process"}
-    finally:
-        if own:
-            ex.close()
+    layers = find_prunable(structure, keep_dense)
+    curves = _curves(m, layers, feeds, n_images=rr_images, positions=rr_positions, seed=seed,
+                     providers=providers, progress=progress,
+                     executor=ex) if _needs_rr(rules) else None
+    pruner = _pruner(m, structure, feeds, keep_dense=keep_dense, curves=curves,
+                     rr_prior=rr_prior, rr_gamma=rr_gamma, rr_cap=rr_cap,
+                     force_projection=force_projection, alpha_cap=alpha_cap,
+                     recalibrate=recalibrate, providers=providers)
+    _, dense_eval = pruner.measure(m, evaluation)
+    _say(progress, f"Sweep: {len(grid)} sparsities x {len(rules)} allocations x "
+                   f"{len(methods)} repairs on {pruner.n_images} calibration images")
+    cells = run_sweep(pruner, grid, rules, methods, eval_source=evaluation,
+                      on_cell=_cell_printer(progress), executor=ex)
+    ran_on = ex.describe() if ex is not None else {"kind": "in-process"}
     section = summarize_sweep(cells, grid, rules, methods, dense_eval=dense_eval,
                               all_bn=_all_bn(structure, layers))
     section["n_images"] = pruner.n_images

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from study_common import load_runs, missing_runs, preamble, table  # noqa: E402
+from study_common import emit, load_runs, missing_runs, preamble, table  # noqa: E402
 
 SCORES = ("magnitude", "bn_scale", "random", "ix", "peer", "two_axis", "relevance")
 
@@ -96,11 +96,7 @@ def main(argv=None) -> int:
                               "pp"], prune_rows))
     else:
         parts.append("prune-sweep: not run (--no-prune-sweep)")
-    text = "\n\n".join(parts) + "\n"
-    sys.stdout.write(text)
-    if a.out:
-        a.out.write_text(text)
-    return 0
+    return emit(parts, a.out)
 
 
 if __name__ == "__main__":

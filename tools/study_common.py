@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -61,6 +62,15 @@ def preamble(title: str, command: str, zoo: Path) -> str:
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return (f"## {title}\n\n`{command}`\n\nzoo `{zoo}`; {when}; {platform.machine()}, "
             f"{_cores()} CPU cores; onnxdiag {_version()}\n")
+
+
+def emit(parts: list[str], out: Path | None) -> int:
+    """Print the study's sections (and write them to ``out`` when given); exit status 0."""
+    text = "\n\n".join(parts) + "\n"
+    sys.stdout.write(text)
+    if out:
+        out.write_text(text)
+    return 0
 
 
 def _cores() -> int:

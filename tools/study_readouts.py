@@ -25,7 +25,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from study_common import ckpt_paths, load_runs, missing_runs, preamble, table  # noqa: E402
+from study_common import (  # noqa: E402
+    ckpt_paths,
+    emit,
+    load_runs,
+    missing_runs,
+    preamble,
+    table,
+)
 
 SELECT_READOUTS = ("head_grad_feature", "head_grad", "head_grad_head", "loss", "confidence",
                    "entropy", "prob_margin", "logit_margin", "curvature")
@@ -157,11 +164,7 @@ def main(argv=None) -> int:
         parts.append(screening(runs, a.zoo, a.jobs, a.targets)[0])
     else:
         parts.append("screening: not run (needs runs of at least two architectures)")
-    text = "\n\n".join(parts) + "\n"
-    sys.stdout.write(text)
-    if a.out:
-        a.out.write_text(text)
-    return 0
+    return emit(parts, a.out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from study_common import load_runs, missing_runs, preamble, table  # noqa: E402
+from study_common import emit, load_runs, missing_runs, preamble, table  # noqa: E402
 
 ALLOCS = ("global", "uniform", "erk", "lamp", "rr")
 
@@ -142,11 +142,7 @@ def main(argv=None) -> int:
         + table(["arch", "RR > ERK", "RR > LAMP", "RR > both", "agr band erk", "agr band lamp",
                  "agr band rr", "CTS band erk", "CTS band lamp", "CTS band rr",
                  "all convs feed BN"], band_rows))
-    text = "\n\n".join(parts) + "\n"
-    sys.stdout.write(text)
-    if a.out:
-        a.out.write_text(text)
-    return 0
+    return emit(parts, a.out)
 
 
 if __name__ == "__main__":
