@@ -223,8 +223,16 @@ def undo_initializer_dedup(proto) -> int:
     return n_undone
 
 
-def export_onnx(model, path: Path, opset: int, meta: dict[str, str]) -> None:
-    """Export `model` (in eval mode) with BN kept; written to a temporary name, then renamed."""
+SAMPLE_DOC = ("onnxdiag sample: residual CNN on Fashion-MNIST; input float32 (N,1,28,28) in [0,1] "
+              f"(normalised inside: (x-{PIXEL_MEAN})/{PIXEL_STD}); output logits (N,10). "
+              "Made by tools/make_sample.py.")
+
+
+def export_onnx(model, path: Path, opset: int, meta: dict[str, str], *,
+                graph_name: str = "onnxdiag_sample_resnet", doc: str = SAMPLE_DOC,
+                fold_bn: bool = False) -> None:
+    """Export `model` (in eval mode) with BN kept (or folded into the convs with `fold_bn`);
+    written to a temporary name, then renamed."""
     import onnx
     import torch
 
@@ -236,19 +244,16 @@ def export_onnx(model, path: Path, opset: int, meta: dict[str, str]) -> None:
         warnings.simplefilter("ignore")
         torch.onnx.export(
             model, (torch.zeros(1, 1, 28, 28),), str(tmp), dynamo=False, opset_version=opset,
-            training=torch.onnx.TrainingMode.EVAL, do_constant_folding=False,
+            training=torch.onnx.TrainingMode.EVAL, do_constant_folding=fold_bn,
             input_names=["input"], output_names=["logits"],
             dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}})
     proto = onnx.load(str(tmp))
     undo_initializer_dedup(proto)
-    proto.graph.name = "onnxdiag_sample_resnet"
-    proto.doc_string = (
-        "onnxdiag sample: residual CNN on Fashion-MNIST; input float32 (N,1,28,28) in [0,1] "
-        f"(normalised inside: (x-{PIXEL_MEAN})/{PIXEL_STD}); output logits (N,10). "
-        "Made by tools/make_sample.py.")
+    proto.graph.name = graph_name
+    proto.doc_string = doc
     for key, value in meta.items():
         entry = proto.metadata_props.add()
-        entry.key, entry.value = key, value
+        entry.key, entry.value = key, str(value)
     onnx.save(proto, str(tmp))
     os.replace(tmp, path)
 

@@ -68,7 +68,6 @@ import math
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -218,29 +217,12 @@ def build(arch: str, widths: dict):
 # -------------------------------------------------------------------------------------- export
 
 def export(model, path: Path, opset: int, meta: dict, fold_bn: bool = False) -> None:
-    """torch.onnx.export with make_sample's settings (BN kept) or with BN folded."""
-    import onnx
-    import torch
-
-    model.eval()
-    tmp = path.with_name(path.name + ".tmp")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            model, (torch.zeros(1, 1, 28, 28),), str(tmp), dynamo=False, opset_version=opset,
-            training=torch.onnx.TrainingMode.EVAL, do_constant_folding=fold_bn,
-            input_names=["input"], output_names=["logits"],
-            dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}})
-    proto = onnx.load(str(tmp))
-    ms.undo_initializer_dedup(proto)
-    proto.graph.name = f"onnxdiag_zoo_{meta.get('onnxdiag.zoo.arch', 'model')}"
-    proto.doc_string = ("onnxdiag zoo model on Fashion-MNIST; input float32 (N,1,28,28) in [0,1] "
-                        "(normalised inside); output logits (N,10). Made by tools/train_zoo.py.")
-    for key, value in meta.items():
-        entry = proto.metadata_props.add()
-        entry.key, entry.value = key, str(value)
-    onnx.save(proto, str(tmp))
-    os.replace(tmp, path)
+    """make_sample's export (BN kept, or folded with `fold_bn`) with the zoo's names."""
+    ms.export_onnx(model, path, opset, meta, fold_bn=fold_bn,
+                   graph_name=f"onnxdiag_zoo_{meta.get('onnxdiag.zoo.arch', 'model')}",
+                   doc="onnxdiag zoo model on Fashion-MNIST; input float32 (N,1,28,28) in "
+                       "[0,1] (normalised inside); output logits (N,10). Made by "
+                       "tools/train_zoo.py.")
 
 
 def export_settings(opset: int, fold_bn: bool = False) -> dict:
