@@ -8,26 +8,13 @@ import sys
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
+from cli_helpers import assert_user_error, run
 
-from onnxdiag.cli import cli
 from onnxdiag.sample import get_sample
 
 SAMPLE = get_sample()
 
 
-def run(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
-
-
-def assert_user_error(result, fragment, out=None):
-    assert result.exit_code == 1, result.output
-    assert "Traceback" not in result.output
-    err = result.stderr.strip()
-    assert err.startswith("error: ") and "\n" not in err, err
-    assert fragment in err, err
-    if out is not None:
-        assert not out.exists(), "no partial output may be left behind"
 
 
 @pytest.mark.parametrize("command", [[], ["analyze"], ["inspect"], ["readouts"], ["select"]])

@@ -8,11 +8,10 @@ import shutil
 import numpy as np
 import onnx
 import pytest
-from click.testing import CliRunner
+from cli_helpers import assert_user_error, run
 from corpus import residual_block
 
 from onnxdiag import cli_sparse
-from onnxdiag.cli import cli
 from onnxdiag.model_io import file_hash
 from onnxdiag.sample import get_sample
 from onnxdiag.sparsity import METHODS, RULES
@@ -20,18 +19,6 @@ from onnxdiag.sparsity import METHODS, RULES
 SAMPLE = get_sample()
 
 
-def run(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
-
-
-def assert_user_error(result, fragment, *absent):
-    assert result.exit_code == 1, result.output
-    assert "Traceback" not in result.output
-    err = result.stderr.strip()
-    assert err.startswith("error: ") and "\n" not in err, err
-    assert fragment in err, err
-    for path in absent:
-        assert not path.exists(), f"{path} must not be written"
 
 
 @pytest.fixture(scope="module")

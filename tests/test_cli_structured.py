@@ -15,26 +15,11 @@ import corpus
 import numpy as np
 import onnx
 import pytest
-from click.testing import CliRunner
+from cli_helpers import assert_user_error, run
 
 import onnxdiag.prune_report as prune_report
-from onnxdiag.cli import cli
 from onnxdiag.model_io import save_model
 from onnxdiag.prune_report import normalized_auc
-
-
-def run(*args):
-    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
-
-
-def assert_user_error(result, fragment, *absent):
-    assert result.exit_code == 1, result.output
-    assert "Traceback" not in result.output
-    err = result.stderr.strip()
-    assert err.startswith("error: ") and "\n" not in err, err
-    assert fragment in err, err
-    for path in absent:
-        assert not path.exists(), f"no partial output may be left behind: {path}"
 
 
 @pytest.fixture(scope="module")
