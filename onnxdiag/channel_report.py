@@ -53,7 +53,7 @@ def channels_report(models, *, data, labels=None, limit=None, seed=0, batch_size
                     providers=None, head=None, features=None, targets="auto",
                     task_samples="match", n_positions=16, k_peers=10, ridge=1e-3, layers=None,
                     executor=None, jobs=None, out=None, overwrite=False, write=True,
-                    progress=True) -> CommandResult:
+                    progress=True, tap="auto") -> CommandResult:
     """Two-axis channel scores and structure analyses (``onnxdiag channels``).
 
     ``models``: one model path, or several (a checkpoint series in training order) for
@@ -66,7 +66,8 @@ def channels_report(models, *, data, labels=None, limit=None, seed=0, batch_size
     is sharded into runs of whole batches, each worker streams its shard into the
     mergeable moments and the driver merges them
     (:func:`onnxdiag.collect.collect_channel_moments_sharded`): the same statistics to
-    float64 rounding.
+    float64 rounding. ``tap``: where each layer's samples come from
+    (:func:`onnxdiag.collect.choose_taps`; "output" forces ONNX Runtime's own conv outputs).
     """
     from .clustering import summarize_layers
     from .collect import collect_channel_moments, collect_channel_moments_sharded
@@ -81,7 +82,7 @@ def channels_report(models, *, data, labels=None, limit=None, seed=0, batch_size
                   seed=seed, batch_size=batch_size, providers=providers, head=head,
                   features=features, targets=targets, task_samples=task_samples,
                   n_positions=n_positions, k_peers=k_peers, ridge=ridge, layers=layers,
-                  executor=str(executor or "local") if not isinstance(executor, Executor)
+                  tap=tap, executor=str(executor or "local") if not isinstance(executor, Executor)
                   else executor.name, jobs=jobs)
     ex, own = open_executor(executor, jobs, local_jobs=1)
     single = isinstance(ex, LocalExecutor) and (ex.jobs or 0) == 1
@@ -92,7 +93,7 @@ def channels_report(models, *, data, labels=None, limit=None, seed=0, batch_size
             model = load_model(path)
             structure = analyze_structure(model, head=head, features=features)
             opts = dict(layers=layers, n_positions=n_positions, task_samples=task_samples,
-                        targets=targets, seed=seed, providers=providers, label=label)
+                        targets=targets, seed=seed, providers=providers, label=label, tap=tap)
             if single:  # one streaming pass here, as without an executor
                 source = _open(data, get_input_specs(model), labels=labels, limit=limit,
                                seed=seed, batch_size=batch_size)
@@ -130,7 +131,8 @@ def _section(per_model) -> dict:
         order = np.argsort(-r2, kind="stable")
         info = scores.scores.get("task_info")
         layers.append({
-            **row, "bn_folded": bool(layer.bn_folded),
+            **row, "bn_folded": bool(layer.bn_folded), "tap": stats.taps.get(row["layer"],
+                                                                             "output"),
             "note": ("BN folded into the conv: y is post-BN; input_capture and signal_power "
                      "are scale-dependent, the rho-based scores are unchanged")
             if layer.bn_folded else "",
@@ -152,7 +154,8 @@ def _section(per_model) -> dict:
 
 def channel_section(model, source, structure, *, targets="auto", seed=0, providers=None,
                     layers=None, n_positions=16, task_samples="match", k_peers=10, ridge=1e-3,
-                    model_name: str = "", label: str | None = None) -> tuple[dict, str]:
+                    model_name: str = "", label: str | None = None,
+                    tap: str = "auto") -> tuple[dict, str]:
     """The channel section of ``onnxdiag analyze``: ``(section dict, rendered text)``.
 
     One statistics pass over ``source`` (a DataSource, e.g. the probe batch), the scores
@@ -177,7 +180,7 @@ def channel_section(model, source, structure, *, targets="auto", seed=0, provide
     stats = collect_channel_moments(model, structure, source, layers=layers,
                                     n_positions=n_positions, task_samples=task_samples,
                                     targets=targets, seed=seed, providers=providers,
-                                    label=label)
+                                    label=label, tap=tap)
     scored = score_collected(model, stats, structure, k_peers=k_peers, ridge=ridge)
     summary = summarize_layers([s for _, s, _ in scored.values()], seed=seed)
     section = _section([(model_name, stats, scored, summary)])
@@ -186,7 +189,7 @@ def channel_section(model, source, structure, *, targets="auto", seed=0, provide
         row["most_substitutable_r2"] = [float(r2[i]) for i in row["most_substitutable"]]
         row["least_substitutable_r2"] = [float(r2[i]) for i in row["least_substitutable"]]
     section["params"] = {"n_positions": n_positions, "task_samples": task_samples,
-                         "k_peers": k_peers, "ridge": ridge, "seed": seed}
+                         "k_peers": k_peers, "ridge": ridge, "seed": seed, "tap": tap}
     return section, render_channels(section)
 
 
@@ -204,7 +207,8 @@ def render_channels(section: dict) -> str:
              "I_T>floor": la["n_above_floor"],
              "most subst.": ",".join(map(str, la["most_substitutable"])),
              "least subst.": ",".join(map(str, la["least_substitutable"])),
-             "BN": "folded" if la["bn_folded"] else ""}
+             "BN": "folded" if la["bn_folded"] else "",
+             "y from": "input" if la.get("tap") == "input" else ""}
             for la in section["layers"]]
     med = section["median"]
     lines = ["== Channels: two axes (SPEC B) ==",
@@ -217,6 +221,10 @@ def render_channels(section: dict) -> str:
              "(published, trained CIFAR-100 nets: ~0.01 and ARI ~0.02; ~0.7 at init)",
              "I_T>floor: channels whose task information exceeds the 95th percentile of the "
              "permutation control (T shuffled across images)."]
+    if any(la.get("tap") == "input" for la in section["layers"]):
+        lines.append("y from = input: the conv was evaluated in float64 at the sampled "
+                     "positions from its input (far fewer values to copy out of ONNX "
+                     "Runtime); other layers sample ONNX Runtime's conv output.")
     if section["targets_flag"]:
         lines.append(f"NOTE: targets are {section['targets_flag']}.")
     if section["trajectory"]:

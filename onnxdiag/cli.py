@@ -260,6 +260,12 @@ def select(checkpoints, fmt, **kwargs):
 @click.option("--layer", "layers", multiple=True,
               help="Analyse only this layer (repeatable; default: every conv with >= 4 "
                    "channels).")
+@click.option("--tap", type=click.Choice(["auto", "output", "input"]), default="auto",
+              show_default=True,
+              help="Where a layer's samples come from: its conv output as ONNX Runtime "
+                   "computes it, or the conv evaluated in float64 at the sampled positions "
+                   "from its input; auto = input where that copies far fewer values out of "
+                   "the session (e.g. a first conv on a grey image).")
 @click.option("--jobs", type=click.IntRange(min=1), default=None,
               help="Worker processes, each streaming a shard of the data (default: 1, one "
                    "pass in this process; with ray, CPUs of the local instance).")

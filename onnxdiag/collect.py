@@ -1,10 +1,17 @@
 """One streaming pass that collects the channel statistics of SPEC B1.
 
 For every analysed conv (≥ 4 output channels, head excluded) the pre-BN output
-is exposed, sampled at 16 seeded spatial positions per image, and folded into
-float64 moments together with the per-image target T (the logit margin, SPEC B3)
-and a permutation control (T shuffled across the images of each batch, seeded).
-Memory is O(C²) per layer, independent of the number of images.
+is sampled at 16 seeded spatial positions per image and folded into float64 moments
+together with the per-image target T (the logit margin, SPEC B3) and a permutation
+control (T shuffled across the images of each batch, seeded). Memory is O(C²) per
+layer, independent of the number of images.
+
+Where the samples come from (:func:`choose_taps`): the conv's output, exposed
+channels-last so that a sampled position is one contiguous row; or, where the conv's
+input is far smaller than its output (a first conv on a grey or RGB image), the input,
+with the conv evaluated in float64 at the sampled positions only. Exposing a tensor
+costs a copy out of ONNX Runtime's blocked layout, and exposing a conv's output keeps
+its BatchNormalization from being fused; both costs scale with the values exposed.
 """
 
 from __future__ import annotations
@@ -16,10 +23,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import OnnxDiagError
-from .instrument import expose_tensors
+from .instrument import expose_channels_last, expose_tensors
 from .probe import head_arrays, resolve_targets
 from .runner import OrtRunner
-from .stats import Moments, draw_positions, spatial_mean
+from .stats import Moments, draw_positions
 
 TASK_SAMPLES = ("match", "gap")
 MIN_CHANNELS = 4
@@ -92,6 +99,7 @@ class ChannelStats:
     seed: int
     n_images: int
     data: dict = field(default_factory=dict)
+    taps: dict = field(default_factory=dict)
 
 
 def _check_request(task_samples, targets, source, structure, layers) -> tuple[str, list]:
@@ -114,7 +122,7 @@ def collect_channel_moments(model, structure, source, *, layers=None, n_position
                             task_samples: str = "match", targets: str = "auto", seed: int = 0,
                             providers=None, label: str | None = None,
                             runner: OrtRunner | None = None,
-                            overlap: bool = True) -> ChannelStats:
+                            overlap: bool = True, tap: str = "auto") -> ChannelStats:
     """Stream ``source`` once and accumulate every analysed layer's moments (SPEC B1).
 
     ``targets``: "labels" (ground-truth logit margin), "pseudo" (the predicted class's
@@ -122,16 +130,22 @@ def collect_channel_moments(model, structure, source, *, layers=None, n_position
     ``runner``: a session from :func:`make_stats_runner` with the same ``layers``, to reuse
     across passes (otherwise one is made). ``overlap``: fold each batch's statistics on
     a worker thread while the next batch runs (same result, in the same order).
+    ``tap``: where each layer's samples come from (:func:`choose_taps`): "output" (the
+    conv's output, sampled), "input" (the conv evaluated in float64 at the sampled
+    positions from its exposed input) or "auto" (input where that exposes far fewer
+    values, e.g. a first conv on a 1-channel image; output elsewhere).
     """
     targets, chosen = _check_request(task_samples, targets, source, structure, layers)
     head = structure.head
-    names = _exposed_names(chosen, head)
+    taps = choose_taps(model, chosen, tap, task_samples, n_positions)
+    exposed, names = _stats_model(model, chosen, head, taps)
+    fetch = list(names.values())
     if runner is None:
-        runner = StatsRunner(expose_tensors(model, names), providers=providers)
-    elif not set(names) <= set(runner.output_names):
+        runner = StatsRunner(exposed, providers=providers)
+    elif not set(fetch) <= set(runner.output_names):
         raise OnnxDiagError("The runner passed to collect_channel_moments does not expose "
                             "the analysed layers; make it with make_stats_runner(model, "
-                            "structure, layers).")
+                            "structure, layers, tap=…) with this pass's settings.")
     acc = {la.node_name: LayerMoments(la.node_name, la.n_out, Moments(la.n_out + 2),
                                       Moments(la.n_out) if task_samples == "gap" else None)
            for la in chosen}
@@ -141,23 +155,30 @@ def collect_channel_moments(model, structure, source, *, layers=None, n_position
         _, U = head_arrays(out, head)
         t = target_margin(U, batch.labels if targets == "labels" else None)
         t_null = _shuffle(t, seed, batch.indices)
-        positions: dict[int, np.ndarray] = {}
+        positions: dict[int, tuple] = {}
         for la in chosen:
-            _fold(acc[la.node_name], out[la.output], t, t_null, batch.indices, positions,
-                  n_positions, seed, task_samples, buffers)
+            conv = taps[la.node_name]
+            if isinstance(conv, InputTap):
+                samples = conv.samples(out[names[la.input]], batch.indices, n_positions, seed)
+                _fold_rows(acc[la.node_name].task, samples, np.column_stack([t, t_null]),
+                           samples.shape[0] // len(t), buffers)
+                acc[la.node_name].n_images += len(t)
+            else:
+                _fold(acc[la.node_name], out[names[la.output]], t, t_null, batch.indices,
+                      positions, n_positions, seed, task_samples, buffers)
         return len(t)
 
     n_images = 0
     with _single_threaded_blas():
         if not overlap:
-            for batch, out in runner.stream(source, names, label=label):
+            for batch, out in runner.stream(source, fetch, label=label):
                 n_images += fold_batch(batch, out)
         else:
             # Fold batch b on a worker thread while ONNX Runtime runs batch b + 1 (both
             # release the GIL); batches are folded in order, at most two are held.
             with ThreadPoolExecutor(max_workers=1) as pool:
                 pending = None
-                for batch, out in runner.stream(source, names, label=label):
+                for batch, out in runner.stream(source, fetch, label=label):
                     if pending is not None:
                         n_images += pending.result()
                     pending = pool.submit(fold_batch, batch, out)
@@ -165,19 +186,138 @@ def collect_channel_moments(model, structure, source, *, layers=None, n_position
                     n_images += pending.result()
     return ChannelStats(layers=acc, targets=targets, task_samples=task_samples,
                         n_positions=n_positions, seed=seed, n_images=n_images,
-                        data=source.describe())
+                        data=source.describe(), taps=tap_names(taps))
 
 
-def _exposed_names(chosen, head) -> list[str]:
-    return [la.output for la in chosen] + [head.features, head.logits]
+def _stats_model(model, chosen, head, taps: dict) -> tuple:
+    """(model exposing what the pass reads, tensor → exposed output name).
+
+    Each analysed conv's output, or for an input tap its input, is exposed channels-last
+    (sampled positions are then contiguous C-vectors; on CPU the Transpose rides on the
+    layout reorder ONNX Runtime does for any exposed conv tensor); the head's features
+    and logits as they are.
+    """
+    tensors = {}
+    for la in chosen:
+        tensor = la.input if isinstance(taps[la.node_name], InputTap) else la.output
+        tensors[tensor] = len(la.kernel) + 2
+    exposed, last = expose_channels_last(
+        expose_tensors(model, [head.features, head.logits]), tensors,
+        tag="stats_channels_last")
+    return exposed, {head.features: head.features, head.logits: head.logits, **last}
 
 
 def make_stats_runner(model, structure, *, layers=None, providers=None,
-                      threads: int | None = None) -> StatsRunner:
-    """The session of the statistics pass (analysed layers + head exposed), to reuse."""
+                      threads: int | None = None, tap: str = "auto",
+                      task_samples: str = "match", n_positions: int = 16) -> StatsRunner:
+    """The session of the statistics pass (analysed layers + head exposed), to reuse;
+    ``tap``, ``task_samples`` and ``n_positions`` as for the pass that will use it."""
     chosen = find_analysed_layers(structure, layers)
-    names = _exposed_names(chosen, structure.head)
-    return StatsRunner(expose_tensors(model, names), providers=providers, threads=threads)
+    taps = choose_taps(model, chosen, tap, task_samples, n_positions)
+    exposed, _ = _stats_model(model, chosen, structure.head, taps)
+    return StatsRunner(exposed, providers=providers, threads=threads)
+
+
+TAPS = ("auto", "output", "input")
+
+
+@dataclass(frozen=True)
+class InputTap:
+    """A conv evaluated at the sampled positions from its input (SPEC B1's y, float64).
+
+    ``matrix`` (groups, K, C_out/groups) and ``bias`` (the node's own bias input, or
+    None; a separate bias Add comes after ``Layer.output`` and is left out, as there).
+    """
+
+    op: object
+    kernel: tuple
+    matrix: np.ndarray
+    bias: np.ndarray | None
+
+    def samples(self, x_last: np.ndarray, indices, n_positions: int, seed: int) -> np.ndarray:
+        """Rows (n·k, C_out) at the positions :func:`draw_positions` gives the output."""
+        from .sparsity.offline import apply_columns, sampled_columns
+
+        cols = sampled_columns(self.op, np.moveaxis(x_last, -1, 1), self.kernel, n_positions,
+                               seed=seed, sample_indices=indices, x_last=x_last)
+        y = apply_columns(cols.astype(np.float64), self.matrix)
+        if self.bias is not None:
+            y += self.bias
+        return y
+
+
+def choose_taps(model, chosen, tap: str = "auto", task_samples: str = "match",
+                n_positions: int = 16) -> dict:
+    """Per analysed layer: "output" or an :class:`InputTap`.
+
+    Every exposed tensor costs the pass a copy out of ONNX Runtime's fused, blocked
+    layout, and exposing a conv's output also keeps its BatchNormalization from being
+    fused into it. "auto" taps a conv's input instead when that exposes at most a
+    quarter as many values per image as its output and the float64 work at the sampled
+    positions (k·C_in/groups·Πkernel·C_out multiply-adds) is at most one pass over the
+    output: typically a first conv on a 1- or 3-channel image (never when the shapes are
+    not static). Input taps need a 1-D or 2-D conv with constant weights and
+    ``task_samples="match"`` ("gap" needs every output position).
+    """
+    if tap not in TAPS:
+        raise OnnxDiagError(f"tap must be one of {', '.join(TAPS)}; got {tap!r}.")
+    if tap == "input" and task_samples != "match":
+        raise OnnxDiagError("Input taps sample the conv at positions; --task-samples gap "
+                            "needs the whole output: use tap 'output' or 'auto'.")
+    index = None
+    taps: dict = {}
+    for la in chosen:
+        why = _input_tap_obstacle(la, task_samples)
+        if tap == "input" and why:
+            raise OnnxDiagError(f"Layer {la.node_name!r} cannot be tapped at its input "
+                                f"({why}); use tap 'auto' or 'output'.")
+        if tap == "output" or why or (tap == "auto" and not _input_is_cheaper(la, n_positions)):
+            taps[la.node_name] = "output"
+            continue
+        if index is None:
+            from .graph import GraphIndex
+
+            index = GraphIndex(model)
+        taps[la.node_name] = _input_tap(index, la)
+    return taps
+
+
+def tap_names(taps: dict) -> dict[str, str]:
+    """Layer → "input" / "output", for reports."""
+    return {name: "input" if isinstance(t, InputTap) else "output" for name, t in taps.items()}
+
+
+def _input_tap_obstacle(la, task_samples: str) -> str | None:
+    if task_samples != "match":
+        return "--task-samples gap"
+    if la.op_type != "Conv" or len(la.kernel) not in (1, 2):
+        return "only 1-D and 2-D convs"
+    if la.weight_initializer is None:
+        return "its weights are computed, not constant"
+    return None
+
+
+def _input_is_cheaper(la, n_positions: int) -> bool:
+    if not la.input_shape or not la.output_shape or not all(
+            isinstance(d, int) for d in (*la.input_shape[1:], *la.output_shape[1:])):
+        return False  # unknown sizes: keep the output
+    in_values = int(np.prod(la.input_shape[1:]))
+    out_spatial = int(np.prod(la.output_shape[2:]))
+    out_values = la.n_out * out_spatial
+    macs = min(n_positions, out_spatial) * (la.n_in // la.groups) * int(np.prod(la.kernel)) \
+        * la.n_out
+    return 4 * in_values <= out_values and macs <= out_values
+
+
+def _input_tap(index, la) -> InputTap:
+    from .sparsity.offline import layer_op, weight_matrix
+
+    op = layer_op(index, la)
+    w = np.asarray(index.get_constant(la.weight), dtype=np.float64)
+    node = index.get_node(la.node_name)
+    bias = index.get_constant(node.input[2]) if len(node.input) > 2 and node.input[2] else None
+    return InputTap(op, tuple(la.kernel), weight_matrix(op, w),
+                    None if bias is None else np.asarray(bias, np.float64).reshape(-1))
 
 
 def _single_threaded_blas():
@@ -219,49 +359,61 @@ def _fold(acc: LayerMoments, x: np.ndarray, t, t_null, indices, positions, n_pos
           task_samples, buffers: dict) -> None:
     """Fold one layer's batch output into its moments (the hot loop of the pass).
 
-    The sampled float32 rows are gathered with one fancy index, shifted by the running
-    mean into a reused float64 buffer ``[y − centre | T − centre | T_null − centre | 1]``
-    and reduced by one BLAS Gram (syrk): its last row holds the sums around the centre,
-    so :meth:`Moments.update_sums` needs no second pass over the samples.
+    ``x`` is channels-last, ``(n, *spatial, C)``, so the sampled positions are whole rows
+    of ``x`` viewed as (n·HW, C): one ``take`` gathers them. ``positions`` caches the
+    batch's rows per spatial size (layers of one size share their draw).
     """
-    n, c = x.shape[:2]
-    flat = x.reshape(n, c, -1)
-    hw = flat.shape[2]
+    n, c = x.shape[0], x.shape[-1]
+    hw = int(np.prod(x.shape[1:-1]))
     if hw not in positions:
-        positions[hw] = draw_positions(hw, n_positions, seed=seed, sample_indices=indices)
-    pos = positions[hw]
-    k = pos.shape[1]
-    # (n, 1) and (n, k) around a slice: the result is (n, k, c), image-major rows.
-    samples = flat[np.arange(n)[:, None], :, pos].reshape(n * k, c)
+        pos = draw_positions(hw, n_positions, seed=seed, sample_indices=indices)
+        positions[hw] = ((pos + np.arange(n)[:, None] * hw).reshape(-1), pos.shape[1])
+    rows, k = positions[hw]
+    samples = np.take(x.reshape(n * hw, c), rows, axis=0)  # (n·k, C), image-major
     if task_samples == "match":
-        targets = np.column_stack([t, t_null])
-        _fold_rows(acc.task, samples, targets, k, buffers)
+        _fold_rows(acc.task, samples, np.column_stack([t, t_null]), k, buffers)
     else:
         _fold_rows(acc.local, samples, None, k, buffers)
-        acc.task.update(np.column_stack([spatial_mean(x), t, t_null]))
+        means = x.reshape(n, hw, c).mean(axis=1, dtype=np.float64)
+        acc.task.update(np.column_stack([means, t, t_null]))
     acc.n_images += n
 
 
 def _fold_rows(moments: Moments, samples: np.ndarray, targets: np.ndarray | None, k: int,
                buffers: dict) -> None:
-    """``moments`` of the columns [samples, targets repeated k times per image]."""
+    """``moments`` of the columns [samples, targets repeated k times per image].
+
+    Everything is float64 around the running mean (the first row on the first batch):
+    the samples are copied into a contiguous float64 buffer ``y`` and shifted in place,
+    the per-image columns ``e = [targets − centre | 1]`` are repeated per position, and
+    the Gram of ``[y | e]`` is assembled from ``yᵀy`` (one syrk, the bulk of the work),
+    ``yᵀe`` and ``eᵀe``; its ones column gives the sums around the centre, so
+    :meth:`Moments.update_sums` needs no second pass over the samples.
+    """
     rows, c = samples.shape
     if rows == 0:
         return
-    d = c + (0 if targets is None else targets.shape[1])
+    n_t = 0 if targets is None else targets.shape[1]
+    d = c + n_t
     if moments.n:
         centre = moments.mean
     else:
         first = [samples[0]] if targets is None else [samples[0], targets[0]]
         centre = np.concatenate(first).astype(np.float64)
-    buf = buffers.get((rows, d))
-    if buf is None:
-        buf = buffers[(rows, d)] = np.empty((rows, d + 1))
-        buf[:, d] = 1.0
-    np.subtract(samples, centre[:c], out=buf[:, :c])
+    y = buffers.get((rows, c))
+    if y is None:
+        y = buffers[(rows, c)] = np.empty((rows, c))
+    np.copyto(y, samples)  # float32 → float64 (exact), contiguous
+    y -= centre[:c]
+    per_image = np.ones((rows // k, n_t + 1))
     if targets is not None:
-        buf[:, c:d] = np.repeat(targets - centre[c:], k, axis=0)
-    gram = buf.T @ buf  # one syrk: Gram of the centred columns and, last row, their sums
+        np.subtract(targets, centre[c:], out=per_image[:, :n_t])
+    e = np.repeat(per_image, k, axis=0)
+    gram = np.empty((d + 1, d + 1))
+    gram[:c, :c] = y.T @ y
+    gram[:c, c:] = y.T @ e
+    gram[c:, :c] = gram[:c, c:].T
+    gram[c:, c:] = e.T @ e
     moments.update_sums(rows, centre, gram[d, :d], gram[:d, :d])
 
 
@@ -344,7 +496,8 @@ def collect_channel_moments_sharded(model, structure, data, *, executor, labels=
                                     task_samples: str = "match", targets: str = "auto",
                                     providers=None, n_shards: int | None = None,
                                     ship: bool | None = None,
-                                    label: str | None = None) -> ChannelStats:
+                                    label: str | None = None,
+                                    tap: str = "auto") -> ChannelStats:
     """:func:`collect_channel_moments` over ``data`` on ``executor``, shard by shard.
 
     ``data``/``labels``/``limit``/``seed``/``batch_size``: as for ``open_data`` (the same
@@ -393,7 +546,8 @@ def collect_channel_moments_sharded(model, structure, data, *, executor, labels=
                     providers=providers, head=structure.head.node_name,
                     features=structure.head.features, has_labels=source.has_labels,
                     batch_size=bs, n_samples=source.n_samples,
-                    threads=1 if parallel else None)  # cores go to processes, not threads
+                    threads=1 if parallel else None,  # cores go to processes, not threads
+                    tap=tap)
     results: dict[int, ChannelStats] = {}
     errors = []
     for k, stats, error in executor.map(_shard_unit, items,
@@ -424,7 +578,8 @@ def collect_channel_moments_sharded(model, structure, data, *, executor, labels=
                         n_images=sum(r.n_images for r in results.values()),
                         data={**source.describe(), "shards": len(items),
                               "shard_data": "read by workers from the path" if by_path
-                              else "shipped by the driver"})
+                              else "shipped by the driver"},
+                        taps=results[0].taps)
 
 
 def _wants_gpu(providers) -> bool:
@@ -459,9 +614,11 @@ def _shard_unit(item: ShardUnit, model_bytes: bytes, data_args: dict | None,
         shard = _ShardSource(bs, source.has_labels, source=source, start=item.start,
                              stop=item.stop)
     runner = make_stats_runner(model, structure, layers=settings["layers"],
-                               providers=settings["providers"], threads=settings["threads"])
+                               providers=settings["providers"], threads=settings["threads"],
+                               tap=settings["tap"], task_samples=settings["task_samples"],
+                               n_positions=settings["n_positions"])
     return collect_channel_moments(model, structure, shard, layers=settings["layers"],
                                    n_positions=settings["n_positions"],
                                    task_samples=settings["task_samples"],
                                    targets=settings["targets"], seed=settings["seed"],
-                                   runner=runner)
+                                   runner=runner, tap=settings["tap"])

@@ -58,6 +58,37 @@ def expose_tensors(model: onnx.ModelProto, tensor_names: Sequence[str]) -> onnx.
     return exported
 
 
+def expose_channels_last(model: onnx.ModelProto, tensors: dict[str, int], *,
+                         tag: str = "channels_last") -> tuple[onnx.ModelProto, dict[str, str]]:
+    """A copy of ``model`` exposing a channels-last Transpose of each tensor in ``tensors``.
+
+    ``tensors`` maps a tensor name to its rank (NC…, channels on axis 1); the exposed
+    output ``{name}__onnxdiag_{tag}`` holds it as (N, …, C). Returns (model, name map).
+    On CPU, ONNX Runtime folds the Transpose into the reorder out of its blocked (NCHWc)
+    conv layout, so the channels-last copy costs what exposing the tensor itself costs,
+    and C-vectors at sampled positions are then contiguous rows. The tensor itself is not
+    exposed; as the Transpose's input it still cannot be fused away (e.g. into a following
+    BatchNormalization). Never modifies ``model``; returns it unchanged for an empty map.
+    """
+    from onnx import helper
+
+    if not tensors:
+        return model, {}
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    names = {}
+    types = {v.name: v.type.tensor_type.elem_type
+             for v in (*out.graph.input, *out.graph.output, *out.graph.value_info)}
+    for i, (name, rank) in enumerate(tensors.items()):
+        names[name] = f"{name}__onnxdiag_{tag}"
+        out.graph.node.append(helper.make_node(
+            "Transpose", [name], [names[name]], name=f"onnxdiag_{tag}_{i}",
+            perm=[0, *range(2, rank), 1]))
+        out.graph.output.append(helper.make_tensor_value_info(
+            names[name], types.get(name) or onnx.TensorProto.FLOAT, None))
+    return out, names
+
+
 def _fill_missing_output_types(model: onnx.ModelProto) -> None:
     """Outputs exposed without inferred types get float32 (ORT needs an element type)."""
     for out in model.graph.output:

@@ -287,6 +287,34 @@ def conv_on_1x1_spatial(seed: int = 0) -> onnx.ModelProto:
     return g.model([_image(("N", 3, 2, 2))], [_logits()])
 
 
+def conv_geometry_head(seed: int = 0) -> onnx.ModelProto:
+    """x (N, 4, 9, 11) → "dil" (4→6, 3×3, dilation 2, strides (2, 1), pads (1, 2, 0, 1),
+    bias) → Relu → "grp" (6→6, group 2, SAME_UPPER, stride 2, bias) → Relu → "pw" (1×1,
+    6→8, no bias) → Add "pw_bias" (a separate bias, after the layer's output) → Relu →
+    GAP → Flatten → Gemm "head": conv geometry with known shapes and a head."""
+    g = _G(seed)
+    d = g.node("Conv", ["x", g.rand("dil.weight", 6, 4, 3, 3), g.rand("dil.bias", 6, scale=0.1)],
+               "dil", dilations=[2, 2], strides=[2, 1], pads=[1, 2, 0, 1])
+    r = g.node("Relu", [d], "relu_dil")
+    q = g.node("Conv", [r, g.rand("grp.weight", 6, 3, 3, 3), g.rand("grp.bias", 6, scale=0.1)],
+               "grp", strides=[2, 2], auto_pad="SAME_UPPER", group=2)
+    p = g.node("Conv", [g.node("Relu", [q], "relu_grp"), g.rand("pw.weight", 8, 6, 1, 1)], "pw")
+    a = g.node("Relu", [g.node("Add", [p, g.rand("pw.bias_add", 8, 1, 1, scale=0.1)],
+                                "pw_bias")], "relu_pw")
+    g.gemm(g.pool_flatten(a), "head", 8, N_CLASSES, out="logits")
+    return g.model([_vi("x", ("N", 4, 9, 11))], [_logits()])
+
+
+def conv1d_head(seed: int = 0) -> onnx.ModelProto:
+    """x (N, 4, 12) → 1-D conv "c1d" (4→5, k 3, stride 2, pads (1, 0), bias) → Relu → GAP →
+    Flatten → Gemm "head"."""
+    g = _G(seed)
+    c = g.node("Conv", ["x", g.rand("c1d.weight", 5, 4, 3), g.rand("c1d.bias", 5, scale=0.1)],
+               "c1d", strides=[2], pads=[1, 0])
+    g.gemm(g.pool_flatten(g.node("Relu", [c], "relu")), "head", 5, N_CLASSES, out="logits")
+    return g.model([_vi("x", ("N", 4, 12))], [_logits()])
+
+
 def conv_bn_folded(seed: int = 0) -> onnx.ModelProto:
     """conv_bn_chain as exported in eval mode: BN folded into biased convs (no BN nodes);
     conv1's activation is Clip(0, 6) (ReLU6)."""

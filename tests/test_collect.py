@@ -119,20 +119,22 @@ def test_channels_verb_writes_csv_and_flags_pseudo_targets(setup, tmp_path):
 
 @pytest.mark.parametrize("cuts", [[], [1, 2, 3, 4, 5, 6], [7, 19]])
 def test_fast_fold_equals_moments_on_concatenated_rows(cuts):
-    """The hot loop (gather, syrk around the running mean) equals Moments.update on the
-    explicitly gathered float64 rows with T repeated per position, to 1e-12, for any split."""
+    """The hot loop (row gather from the channels-last output, Gram around the running mean)
+    equals Moments.update on the explicitly gathered float64 rows of the NCHW tensor with T
+    repeated per position, to 1e-12, for any split."""
     from onnxdiag.collect import LayerMoments, _fold
     from onnxdiag.stats import Moments
 
     rng = np.random.default_rng(9)
     n, c = 23, 5
     x = (rng.normal(size=(n, c, 6, 5)) * 3 + 40).astype(np.float32)  # |mean| >> std
+    last = np.ascontiguousarray(np.moveaxis(x, 1, -1))  # what the stats session returns
     t, t_null = rng.normal(size=n), rng.normal(size=n)
     idx = np.arange(n) + 1000
     acc = LayerMoments("l", c, Moments(c + 2))
     buffers: dict = {}
     for part in np.split(np.arange(n), cuts):
-        _fold(acc, x[part], t[part], t_null[part], idx[part], {}, 16, 3, "match", buffers)
+        _fold(acc, last[part], t[part], t_null[part], idx[part], {}, 16, 3, "match", buffers)
     pos = draw_positions(30, 16, seed=3, sample_indices=idx)
     rows = x.reshape(n, c, -1)[np.arange(n)[:, None], :, pos].reshape(-1, c)
     ref = np.column_stack([rows.astype(np.float64), np.repeat(t, 16), np.repeat(t_null, 16)])
@@ -142,9 +144,12 @@ def test_fast_fold_equals_moments_on_concatenated_rows(cuts):
                                atol=1e-12 * np.abs(np.cov(ref, rowvar=False)).max())
     gap = LayerMoments("l", c, Moments(c + 2), Moments(c))  # gap: local from the samples
     for part in np.split(np.arange(n), cuts):
-        _fold(gap, x[part], t[part], t_null[part], idx[part], {}, 16, 3, "gap", {})
+        _fold(gap, last[part], t[part], t_null[part], idx[part], {}, 16, 3, "gap", {})
     mean, cov = gap.local_moments()
     np.testing.assert_allclose(mean, ref[:, :c].mean(axis=0), rtol=1e-14)
+    per_image = np.column_stack([x.astype(np.float64).mean(axis=(2, 3)), t, t_null])
+    np.testing.assert_allclose(gap.task.cov(), np.cov(per_image, rowvar=False), rtol=1e-10,
+                               atol=1e-12 * np.abs(gap.task.cov()).max())
     np.testing.assert_allclose(cov, np.cov(ref[:, :c], rowvar=False), rtol=1e-12,
                                atol=1e-12 * np.abs(cov).max())
 
@@ -202,3 +207,70 @@ def test_channel_section_skips_models_without_convs():
     section, text = channel_section(model, source, structure, targets="expected")
     assert section["layers"] == [] and "no conv layer" in section["skipped"]
     assert "skipped" in text
+
+
+@pytest.mark.parametrize("build", [corpus.residual_block, corpus.depthwise_pointwise,
+                                   corpus.conv_bn_folded, corpus.conv_bias_add,
+                                   corpus.conv_geometry_head, corpus.conv1d_head,
+                                   corpus.dynamic_spatial])
+def test_input_taps_equal_output_taps(build):
+    """A conv evaluated in float64 at the sampled positions from its exposed input (bias
+    input included, a separate bias Add not; strides, dilations, asymmetric and SAME pads,
+    groups, 1-D) has the moments of sampling ONNX Runtime's conv output, to float32
+    rounding, for every analysed layer and a batch split."""
+    model = model_io.load_model(build())
+    structure = analyze_structure(model)
+    feeds = corpus.random_feeds(model, batch=N, seed=2, size=9)
+    y = np.random.default_rng(0).integers(0, 5, N)
+
+    def stats(tap):
+        source = open_data({**feeds, "labels": y}, model_io.get_input_specs(model),
+                           batch_size=7)
+        return collect_channel_moments(model, structure, source, seed=1, n_positions=5,
+                                       tap=tap)
+
+    by_output, by_input = stats("output"), stats("input")
+    assert set(by_output.taps.values()) == {"output"}
+    assert set(by_input.taps.values()) == {"input"}
+    assert by_input.layers.keys() == by_output.layers.keys()
+    for name, lm in by_output.layers.items():
+        other = by_input.layers[name]
+        assert other.task.n == lm.task.n and other.n_images == lm.n_images == N
+        scale = np.sqrt(np.diag(lm.task.cov()))  # per-column std: float32 rounding ~1e-7
+        mean_err = np.abs(other.task.mean - lm.task.mean) / scale
+        cov_err = np.abs(other.task.cov() - lm.task.cov()) / np.outer(scale, scale)
+        assert mean_err.max() < 1e-5 and cov_err.max() < 1e-5, (name, mean_err, cov_err)
+
+
+def test_auto_taps_the_input_only_where_it_is_far_smaller():
+    """The bundled model's first conv reads a 1-channel 28×28 image and writes 16 channels:
+    auto taps its input; every later conv keeps its output. Forced choices and their
+    errors name the fix."""
+    from pathlib import Path
+
+    from onnxdiag.collect import choose_taps, tap_names
+
+    model = model_io.load_model(str(Path(__file__).parent.parent / "models" / "sample"
+                                     / "model.onnx"))
+    chosen = find_analysed_layers(analyze_structure(model))
+    taps = tap_names(choose_taps(model, chosen))
+    assert taps[chosen[0].node_name] == "input"
+    assert set(taps[la.node_name] for la in chosen[1:]) == {"output"}
+    gap = tap_names(choose_taps(model, chosen, "auto", "gap"))
+    assert set(gap.values()) == {"output"}  # gap needs every output position
+    with pytest.raises(OnnxDiagError, match="--task-samples gap.*tap 'output'"):
+        choose_taps(model, chosen, "input", "gap")
+    with pytest.raises(OnnxDiagError, match="tap must be one of auto, output, input"):
+        choose_taps(model, chosen, "inputs")
+
+
+def test_channels_cli_rejects_an_input_tap_with_gap_samples(tmp_path):
+    import onnx
+    from cli_helpers import assert_user_error, run
+
+    path = tmp_path / "m.onnx"
+    onnx.save(corpus.residual_block(), path)
+    np.save(tmp_path / "x.npy", np.zeros((4, 3, 8, 8), np.float32))
+    result = run("channels", path, "--data", tmp_path / "x.npy", "--tap", "input",
+                 "--task-samples", "gap", "--out", tmp_path / "rep")
+    assert_user_error(result, "tap 'output' or 'auto'", out=tmp_path / "rep")

@@ -26,13 +26,14 @@ from onnxdiag.sparsity import (
     magnitude_mask,
     read_weights,
 )
-from onnxdiag.sparsity.offline import conv_columns, evaluate_layer, layer_columns, layer_op
-from onnxdiag.sparsity.repairability import (
-    PairMoments,
-    distortions,
-    parse_positions,
+from onnxdiag.sparsity.offline import (
+    conv_columns,
+    evaluate_layer,
+    layer_columns,
+    layer_op,
     sampled_columns,
 )
+from onnxdiag.sparsity.repairability import PairMoments, distortions, parse_positions
 from onnxdiag.stats import draw_positions
 
 

@@ -15,6 +15,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from ..errors import OnnxDiagError
 from ..graph import GraphIndex
 from ..graph.index import get_attr
+from ..stats import draw_positions
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,56 @@ def apply_columns(cols: np.ndarray, matrix: np.ndarray) -> np.ndarray:
     if cols.shape[1] == 1:
         return cols[:, 0, :] @ matrix[0]
     return np.matmul(cols.transpose(1, 0, 2), matrix).transpose(1, 0, 2).reshape(cols.shape[0], -1)
+
+
+def sampled_columns(op, x: np.ndarray, kernel: tuple[int, ...], positions: int | None, *,
+                    seed: int, sample_indices, x_last: np.ndarray | None = None) -> np.ndarray:
+    """Columns ``(n·k, groups, K)`` of a conv at k sampled output positions per image.
+
+    Rows are image-major; image i's positions are ``draw_positions(Π out_spatial, positions,
+    seed=seed, sample_indices=[sample_indices[i]])`` (flat, row-major over the output).
+    When ``positions`` is None or the output has at most ``positions`` positions, this is
+    exactly :func:`~onnxdiag.sparsity.offline.conv_columns` (every position, in order).
+    Linear layers: every row (:func:`~onnxdiag.sparsity.offline.layer_columns`).
+    ``x_last``: the same input channels-last ``(n, *spatial, C)`` if at hand (ONNX Runtime
+    transposes it during the capture pass, far faster than NumPy on a busy machine); each
+    patch is then kh·kw gathered C-vectors, zero where it reaches into the padding.
+    """
+    if op.kind != "conv" or positions is None:
+        return layer_columns(op, x, kernel)[0]
+    x = np.asarray(x, dtype=np.float32)
+    if len(kernel) == 1:
+        op = type(op)(op.name, "conv", (1, *op.stride), (0, op.pads[0], 0, op.pads[1]),
+                      (1, *op.dilation), op.groups, op.auto_pad)
+        x, kernel = x[:, :, None, :], (1, *kernel)
+        x_last = None if x_last is None else x_last[:, None]
+    pads = _resolve_pads(op, x.shape[2:], kernel)
+    span = [d * (k - 1) + 1 for d, k in zip(op.dilation, kernel)]
+    h, w = x.shape[2:]
+    ho, wo = (((size + p0 + p1 - sp) // st) + 1 for size, p0, p1, sp, st in zip(
+        (h, w), pads[:2], pads[2:], span, op.stride))
+    if ho * wo <= positions:
+        return conv_columns(op, x, kernel)[0]
+    n, c = x.shape[:2]
+    if x_last is None:
+        x_last = x.transpose(0, 2, 3, 1)
+    x_last = np.ascontiguousarray(x_last, dtype=np.float32).reshape(-1, c)
+    flat = draw_positions(ho * wo, positions, seed=seed, sample_indices=sample_indices)
+    # input coordinates (m, kh·kw) of every patch element; outside the input: padding (0)
+    r = ((flat // wo) * op.stride[0] - pads[0]).reshape(-1, 1, 1) + (
+        np.arange(kernel[0]) * op.dilation[0])[None, :, None]
+    q = ((flat % wo) * op.stride[1] - pads[1]).reshape(-1, 1, 1) + (
+        np.arange(kernel[1]) * op.dilation[1])[None, None, :]
+    inside = ((r >= 0) & (r < h) & (q >= 0) & (q < w)).reshape(r.shape[0], -1)
+    img = np.repeat(np.arange(n), flat.shape[1])[:, None]
+    rows = img * (h * w) + (np.clip(r, 0, h - 1) * w + np.clip(q, 0, w - 1)).reshape(
+        r.shape[0], -1)
+    patches = np.take(x_last, rows, axis=0)  # (m, kh·kw, C)
+    if not inside.all():
+        patches *= inside[..., None]
+    m = rows.shape[0]
+    patches = patches.reshape(m, kernel[0], kernel[1], op.groups, c // op.groups)
+    return patches.transpose(0, 3, 4, 1, 2).reshape(m, op.groups, -1)
 
 
 def evaluate_layer(op: LayerOp, x: np.ndarray, weight: np.ndarray,
