@@ -10,6 +10,8 @@ Measures on N real Fashion-MNIST test images (Debian package dataset-fashion-mni
   expose     the same pass with every conv output exposed as a graph output (issue 2)
   readouts   the readout pass: head features + logits exposed, readouts accumulated (issue 3)
   channels   the channel-statistics pass over all analysed layers (issue 4)
+  channels_output_taps  the same with every layer sampled from ORT's conv output
+             (``tap="output"``; the default ``auto`` taps the 1-channel stem's input)
 CPU seconds (all threads of the process, ``time.process_time``) are printed next to the wall
 time: on a shared, loaded machine they show the work each pass adds (spin-waiting threads
 inflate them for the spinning variants, so their ratio is taken against plain_nospin);
@@ -94,6 +96,7 @@ def run_variants(model_path: str, n: int, batch_size: int, repeat: int) -> dict:
     exposed = OrtRunner(expose_tensors(model, convs))
     head_runner = make_head_runner(model, structure.head)
     stats_runner = make_stats_runner(model, structure)
+    output_runner = make_stats_runner(model, structure, tap="output")
 
     def run_all(runner, names=None):
         for batch in source.batches():
@@ -106,6 +109,8 @@ def run_variants(model_path: str, n: int, batch_size: int, repeat: int) -> dict:
         "readouts": lambda: probe_model(model, structure, source, runner=head_runner),
         "channels": lambda: collect_channel_moments(model, structure, source,
                                                     runner=stats_runner),
+        "channels_output_taps": lambda: collect_channel_moments(
+            model, structure, source, runner=output_runner, tap="output"),
     }, repeat)
     return {"seconds": results,
             "ratio": {k: v / results["plain"] for k, v in results.items()},
@@ -199,9 +204,9 @@ def main() -> None:
                      for k in (args.n // 10, args.n)}
     res["machine"] = f"{platform.machine()}, {platform.processor() or ''} "\
                      f"{__import__('os').cpu_count()} cores, Python {platform.python_version()}"
-    print(f"{'pass':12s} {'seconds':>8s} {'x plain':>8s} {'cpu s':>8s} {'cpu x nospin':>12s}")
+    print(f"{'pass':20s} {'seconds':>8s} {'x plain':>8s} {'cpu s':>8s} {'cpu x nospin':>12s}")
     for k, v in res["seconds"].items():
-        print(f"{k:12s} {v:8.3f} {res['ratio'][k]:8.2f} {res['cpu_seconds'][k]:8.3f} "
+        print(f"{k:20s} {v:8.3f} {res['ratio'][k]:8.2f} {res['cpu_seconds'][k]:8.3f} "
               f"{res['cpu_ratio_vs_nospin'][k]:12.2f}")
     res["load_average"] = __import__("os").getloadavg()
     print("load average (1, 5, 15 min) after the timings: "
