@@ -39,6 +39,10 @@ def _head_options(f):
 
 def _finetune_options(f):
     for opt in reversed([
+        click.option("--recalibrate-bn", is_flag=True,
+                     help="Label-free recovery: set every BatchNormalization's running "
+                          "statistics to the pruned model's on --data (before --finetune "
+                          "when both are given)."),
         click.option("--finetune", is_flag=True,
                      help="Recover accuracy by fine-tuning the pruned ONNX graph "
                           "(needs the [training] extra in its own environment)."),

@@ -96,8 +96,8 @@ def prune_channels_report(model, *, output, ratio=0.5, score="two_axis", data=No
                           finetune=False, train_data=None, train_labels=None, epochs=5,
                           lr=1e-4, max_batches=200, limit=None, seed=0, batch_size=64,
                           providers=None, head=None, features=None, targets="auto",
-                          out=None, overwrite=False, write=True, progress=True
-                          ) -> CommandResult:
+                          out=None, overwrite=False, write=True, progress=True,
+                          recalibrate_bn=False) -> CommandResult:
     """Remove channels physically and emit a smaller ONNX model (``onnxdiag prune-channels``).
 
     ``plan``: a plan JSON to replay (hash-checked) instead of scoring. ``budget``:
@@ -105,6 +105,9 @@ def prune_channels_report(model, *, output, ratio=0.5, score="two_axis", data=No
     default of a global-threshold magnitude plan at ``ratio``). The emitted model
     gets a sidecar ``<output>.json``: plan, FLOPs/params/file size before and after,
     CPU latency at batch 1 and 32, agreement with the source, accuracy before/after.
+    Recovery, in this order: ``recalibrate_bn`` (label-free: every BN's running statistics
+    from the pruned model on ``data``, :func:`onnxdiag.sparsity.recalibrate_batchnorm`),
+    then ``finetune``.
     """
     from .emit import compare_models, emit_model, finalize_model, measure_latency
     from .graph import analyze_structure
@@ -115,6 +118,7 @@ def prune_channels_report(model, *, output, ratio=0.5, score="two_axis", data=No
     protect = [model, data, eval_data, train_data, plan, reference]
     folder = _check_out(out, "prune-channels", overwrite, write)
     _check_outputs(output, plan_out, protect, overwrite)
+    _check_recalibration(recalibrate_bn, data)
     if finetune:
         if train_data is None:
             raise OnnxDiagError("--finetune needs labelled training data; pass "
@@ -155,6 +159,12 @@ def prune_channels_report(model, *, output, ratio=0.5, score="two_axis", data=No
                                 seed=seed, score_name=score)
         pruned, record = prune_channels(m, structure, the_plan.removed)
     pruned = finalize_model(pruned)
+    recovered = recalibrate_bn or finetune
+    acc_pruned = _eval(pruned, analyze_structure(pruned, head=structure.head.node_name),
+                       evaluation) if recovered else None
+    recalibration = None
+    if recalibrate_bn:
+        pruned, recalibration = _recalibrate(pruned, calib, providers)
     ft = None
     if finetune:
         pruned, ft = _finetune(pruned, train_data, train_labels, specs, epochs=epochs, lr=lr,
@@ -172,7 +182,9 @@ def prune_channels_report(model, *, output, ratio=0.5, score="two_axis", data=No
     sidecar = {"tool": "onnxdiag prune-channels", "plan": the_plan.to_dict(),
                "record": record.to_dict(), "comparison_with_source": comparison,
                "latency_cpu": latency, "accuracy_before": _eval(m, structure, evaluation),
-               "accuracy_after": _eval(pruned, p_struct, evaluation), "finetune": ft,
+               "accuracy_after": _eval(pruned, p_struct, evaluation),
+               "accuracy_before_recovery": acc_pruned, "recalibration": recalibration,
+               "finetune": ft,
                "notes": notes, "flops_ratio": _ratio(record.flops_after, record.flops_before),
                "params_ratio": _ratio(record.params_after, record.params_before)}
     info = emit_model(pruned, output, source_path=model, sidecar=sidecar, protect=protect)
@@ -183,6 +195,7 @@ def prune_channels_report(model, *, output, ratio=0.5, score="two_axis", data=No
                           parameters=dict(output=str(output), ratio=ratio, score=score,
                                           budget=budget, alpha=alpha, beta=beta,
                                           plan=plan, reference=reference,
+                                          recalibrate_bn=recalibrate_bn,
                                           finetune=finetune, epochs=epochs, lr=lr,
                                           seed=seed, limit=limit, data=data,
                                           eval_data=eval_data))
@@ -245,6 +258,21 @@ class _Feeds(dict):
         return super().__getitem__(key)
 
 
+def _check_recalibration(recalibrate_bn: bool, data) -> None:
+    if recalibrate_bn and data is None:
+        raise OnnxDiagError("--recalibrate-bn needs calibration images for the new BN "
+                            "statistics; pass --data FILE (labels are not needed).")
+
+
+def _recalibrate(model, calib, providers) -> tuple:
+    """(model with every BN recalibrated on ``calib``, the record as a dict)."""
+    from .emit import finalize_model
+    from .sparsity.repair import recalibrate_batchnorm
+
+    out, record = recalibrate_batchnorm(model, calib, providers=providers)
+    return finalize_model(out), record.to_dict()
+
+
 def _finetune(model, train_data, train_labels, specs, *, epochs, lr, max_batches, seed,
               batch_size, evaluation):
     if train_data is None:
@@ -277,6 +305,17 @@ def render_prune(info: dict) -> str:
              f"FLOPs ratio {_fmt(info['flops_ratio'])}, params ratio "
              f"{_fmt(info['params_ratio'])}, file-size ratio {_fmt(info.get('file_size_ratio'))}"
              f", CPU speed-up b=1 {_fmt(_speed(lat, '1'))}x, b=32 {_fmt(_speed(lat, '32'))}x"]
+    rec_acc = info.get("accuracy_before_recovery")
+    if rec_acc and acc_a:
+        steps = " + ".join(name for name, on in (("BN recalibration", info.get("recalibration")),
+                                                 ("fine-tuning", info.get("finetune"))) if on)
+        lines.append(f"top-1 of the pruned model {100 * rec_acc['accuracy']:.2f} % before "
+                     f"recovery, {100 * acc_a['accuracy']:.2f} % after {steps}")
+    rcl = info.get("recalibration")
+    if rcl:
+        lines.append(f"BN recalibration: {len(rcl['bns'])} BatchNormalization nodes on "
+                     f"{rcl['n_images']} calibration images"
+                     + "".join(f"; {n}" for n in rcl.get("notes", [])))
     cmp_ = info.get("comparison_with_source")
     if cmp_:
         lines.append(f"top-1 agreement with the source {100 * cmp_['top1_agreement']:.1f} % on "
@@ -335,7 +374,7 @@ def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES
                        epochs=5, lr=1e-4, max_batches=200, limit=None, seed=0, batch_size=64,
                        providers=None, head=None, features=None, targets="auto",
                        executor=None, jobs=None, out=None, overwrite=False, write=True,
-                       progress=True) -> CommandResult:
+                       progress=True, recalibrate_bn=False) -> CommandResult:
     """Accuracy vs kept-channel fraction per score, before and after recovery
     (``onnxdiag prune-sweep``, SPEC B6).
 
@@ -354,6 +393,10 @@ def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES
     shipped once. A failed cell is reported in ``failed`` (its row has ``error``) and the
     other cells are kept; a score with a failed cell gets no AUC. With ``finetune`` on
     Ray every node needs the [training] extra.
+
+    Recovery (the "after" curve), in this order: ``recalibrate_bn`` (label-free, every
+    BN's statistics from the pruned model on ``data``), then ``finetune``; the dense
+    model goes through the same recovery for the after-curve's top and normaliser.
     """
     from .executor import LocalExecutor, RayExecutor, open_executor
     from .finetune import _import_training
@@ -378,6 +421,7 @@ def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES
         raise OnnxDiagError("Scores " + ", ".join(sc for sc in scores if sc in STAT_SCORES)
                             + " need calibration data for the channel statistics; pass "
                             "--data FILE (or drop them from --scores).")
+    _check_recalibration(recalibrate_bn, data)
     if finetune:
         if train_data is None:
             raise OnnxDiagError("--finetune needs labelled training data; pass "
@@ -399,20 +443,24 @@ def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES
                               evaluation).accuracy
 
     dense = accuracy(m, structure)
+    calib = None if data is None else _open(data, specs, labels=labels, limit=limit, seed=seed,
+                                            batch_size=batch_size)
     dense_after = None
-    if finetune:  # the dense model under the same recovery protocol: the after-curve's top
-        from .finetune import finetune_model
+    if recalibrate_bn or finetune:  # the dense model under the same recovery: the top
+        recovered = m if not recalibrate_bn else _recalibrate(m, calib, providers)[0]
+        dense_after = accuracy(recovered, structure)
+        if finetune:
+            from .finetune import finetune_model
 
-        dense_after = finetune_model(m, train, epochs=epochs, lr=lr, max_batches=max_batches,
-                                     seed=seed, eval_source=evaluation)[1].accuracy_after
+            dense_after = finetune_model(recovered, train, epochs=epochs, lr=lr,
+                                         max_batches=max_batches, seed=seed,
+                                         eval_source=evaluation)[1].accuracy_after
     ex, own = open_executor(executor, jobs, local_jobs=1)
     single = isinstance(ex, LocalExecutor) and (ex.jobs or 0) == 1
     try:
         cs = None
         if need_stats:  # once per sweep
             if single:
-                calib = _open(data, specs, labels=labels, limit=limit, seed=seed,
-                              batch_size=batch_size)
                 cs = stat_scores(m, structure, calib, targets=targets, seed=seed,
                                  providers=providers, progress=progress)
             else:
@@ -439,6 +487,7 @@ def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES
         ctx = dict(token=uuid.uuid4().hex, per_score=per_score,  # one per sweep
                    reference=reference, budget=budget, seed=seed, providers=providers,
                    head=structure.head.node_name, finetune=finetune,
+                   recalibrate_bn=recalibrate_bn,
                    finetune_args=dict(epochs=epochs, lr=lr, max_batches=max_batches,
                                       seed=seed),
                    threads=None if single else 1)
@@ -446,13 +495,16 @@ def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES
                          batch_size=batch_size)
         train_args = None if not finetune else dict(source=train_data, labels=train_labels,
                                                     seed=seed, batch_size=batch_size)
+        calib_args = None if not recalibrate_bn else dict(
+            source=data, labels=labels, limit=limit, seed=seed, batch_size=batch_size)
         if single:  # the sources opened here serve every cell
-            ctx.update(evaluation=evaluation, train=train)
+            ctx.update(evaluation=evaluation, train=train, calib=calib)
         elif isinstance(ex, RayExecutor):  # read once here, shipped once (object store)
             ctx.update(eval_args=_materialize_source(evaluation),
-                       train_args=None if train is None else _materialize_source(train))
+                       train_args=None if train is None else _materialize_source(train),
+                       calib_args=None if not recalibrate_bn else _materialize_source(calib))
         else:  # each local worker process reads them once from the source
-            ctx.update(eval_args=eval_args, train_args=train_args)
+            ctx.update(eval_args=eval_args, train_args=train_args, calib_args=calib_args)
         rows, failed = [None] * len(cells), []
         for i, row, error in ex.map(_sweep_cell, cells, (m.SerializeToString(), ctx),
                                     label="Pruning cells" if progress else None,
@@ -469,12 +521,15 @@ def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES
         _CELL_CACHE.clear()  # this process's copy of the sweep (single-process cells)
         if own:
             ex.close()
-    section = summarize_sweep(rows, dense, scores, budget, finetune, dense_after)
+    recovery = " + ".join(name for name, on in (("BN recalibration", recalibrate_bn),
+                                                ("fine-tuning", finetune)) if on) or None
+    section = summarize_sweep(rows, dense, scores, budget, recovery, dense_after)
     section["notes"] = sorted(set(notes))
     section["failed"] = sorted(failed, key=lambda f: (scores.index(f["score"]), f["ratio"]))
     meta = build_metadata(command="prune-sweep", model_path=model,
                           parameters=dict(ratios=ratios, scores=scores, budget=budget,
-                                          alpha=alpha, beta=beta, finetune=finetune,
+                                          alpha=alpha, beta=beta,
+                                          recalibrate_bn=recalibrate_bn, finetune=finetune,
                                           epochs=epochs, lr=lr, max_batches=max_batches,
                                           seed=seed, limit=limit, data=data,
                                           eval_data=eval_data, train_data=train_data,
@@ -489,12 +544,17 @@ def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES
                    csv_name="sweep.csv")
 
 
-def summarize_sweep(rows, dense, scores, budget, finetune, dense_after=None) -> dict:
+def summarize_sweep(rows, dense, scores, budget, recovery, dense_after=None) -> dict:
     """Normalised AUC per score (before / after recovery), FLOPs matching per ratio and the
     local-axis vs target-axis comparison of SPEC B6.
 
-    The after-recovery curve starts at, and is normalised by, ``dense_after``: the dense
-    model fine-tuned with the same protocol (the dense accuracy when not given)."""
+    ``recovery``: what the after-curve applied ("BN recalibration", "fine-tuning", both
+    joined by " + "), or None/False for none (True reads as "fine-tuning"). The
+    after-recovery curve starts at, and is normalised by, ``dense_after``: the dense
+    model under the same recovery (the dense accuracy when not given)."""
+    if recovery is True:
+        recovery = "fine-tuning"
+    finetune = bool(recovery)  # whether there is an after-curve
     top = dense if dense_after is None else dense_after
     auc = {}
     for sc in scores:
@@ -524,18 +584,21 @@ def summarize_sweep(rows, dense, scores, budget, finetune, dense_after=None) -> 
             compare[phase] = {"best_local": sl, "best_target": st,
                               "local_minus_target_pp": 100 * (bl - bt)}
     return {"dense_accuracy": dense, "dense_accuracy_after_recovery": dense_after,
-            "budget": budget, "finetune": finetune, "rows": rows,
+            "budget": budget, "finetune": "fine-tuning" in (recovery or ""),
+            "recovery": recovery or None, "rows": rows,
             "auc": auc, "flops_matched": matched, "local_vs_target": compare,
             "auc_definition": "trapezoid area of accuracy over the kept-channel fraction "
                               "(dense point at 1.0 included), divided by dense accuracy x "
                               "the kept-fraction range"
-                              + ("; after recovery the dense point and the normaliser are "
-                                 "the dense model fine-tuned with the same protocol"
+                              + (f"; after recovery ({recovery}) the dense point and the "
+                                 "normaliser are the dense model under the same recovery"
                                  if finetune else "")}
 
 
 def render_sweep(section: dict) -> str:
-    rows, fin = section["rows"], section["finetune"]
+    rows = section["rows"]
+    recovery = section.get("recovery") or ("fine-tuning" if section["finetune"] else None)
+    fin = bool(recovery)
     ratios = sorted({r["ratio"] for r in rows})
     table = []
     for sc, entry in section["auc"].items():
@@ -560,9 +623,9 @@ def render_sweep(section: dict) -> str:
              f"dense top-1 {100 * section['dense_accuracy']:.2f} %"
              + ("" if section.get("dense_accuracy_after_recovery") is None else
                 f" ({100 * section['dense_accuracy_after_recovery']:.2f} % after the same "
-                "fine-tuning)") + ", budget "
+                f"{recovery})") + ", budget "
              f"{section['budget']}; cells: top-1 % before"
-             + (" / after recovery fine-tuning" if fin else " (no recovery)"),
+             + (f" / after recovery ({recovery})" if fin else " (no recovery)"),
              render_table(table).rstrip(),
              f"FLOPs ratio per kept fraction: {flops}",
              "AUC: " + section["auc_definition"]]
@@ -592,7 +655,7 @@ def _materialize_source(source) -> dict:
 
 
 def _cell_context(model_bytes: bytes, ctx: dict):
-    """(model, structure, evaluation, train) of this sweep, built once per process."""
+    """(model, structure, evaluation, train, calib) of this sweep, built once per process."""
     hit = _CELL_CACHE.get(ctx["token"])
     if hit is not None:
         return hit
@@ -603,14 +666,16 @@ def _cell_context(model_bytes: bytes, ctx: dict):
 
     model = onnx.load_from_string(model_bytes)
     structure = analyze_structure(model, head=ctx["head"])
-    evaluation, train = ctx.get("evaluation"), ctx.get("train")
+    evaluation, train, calib = ctx.get("evaluation"), ctx.get("train"), ctx.get("calib")
     if evaluation is None:
         specs = get_input_specs(model)
         evaluation = _open(ctx["eval_args"]["source"], specs, **_rest(ctx["eval_args"]))
         if ctx.get("train_args") is not None:
             train = _open(ctx["train_args"]["source"], specs, **_rest(ctx["train_args"]))
+        if ctx.get("calib_args") is not None:
+            calib = _open(ctx["calib_args"]["source"], specs, **_rest(ctx["calib_args"]))
     _CELL_CACHE.clear()
-    _CELL_CACHE[ctx["token"]] = hit = (model, structure, evaluation, train)
+    _CELL_CACHE[ctx["token"]] = hit = (model, structure, evaluation, train, calib)
     return hit
 
 
@@ -625,7 +690,7 @@ def _sweep_cell(cell, model_bytes: bytes, ctx: dict) -> dict:
     from .structured import plan_pruning, prune_channels
 
     sc, r = cell
-    m, structure, evaluation, train = _cell_context(model_bytes, ctx)
+    m, structure, evaluation, train, calib = _cell_context(model_bytes, ctx)
     per_layer, seed = ctx["per_score"][sc], ctx["seed"]
     if ctx["budget"] == "reference":
         plan = plan_pruning(m, structure, per_layer, None, budget="reference",
@@ -645,6 +710,12 @@ def _sweep_cell(cell, model_bytes: bytes, ctx: dict) -> dict:
            "params_ratio": _ratio(record.params_after, record.params_before),
            "accuracy_before": evaluate_model(runner, p_struct.head, evaluation).accuracy,
            "accuracy_after": None}
+    if ctx.get("recalibrate_bn"):
+        pruned = _recalibrate(pruned, calib, ctx["providers"])[0]
+        if not ctx["finetune"]:
+            runner = make_head_runner(pruned, p_struct.head, providers=ctx["providers"],
+                                      threads=ctx["threads"])
+            row["accuracy_after"] = evaluate_model(runner, p_struct.head, evaluation).accuracy
     if ctx["finetune"]:
         from .finetune import finetune_model
 

@@ -205,6 +205,72 @@ def test_prune_sweep_refusals(tiny, tmp_path):
     assert result.exit_code == 2 and "--ratios" in result.output
 
 
+def test_prune_channels_recalibrate_bn_sets_the_pruned_models_bn_statistics(tiny, tmp_path):
+    """--recalibrate-bn: the emitted model's BNs hold the mean / unbiased variance of their
+    inputs in the emitted model itself on --data; the sidecar records the recalibration
+    and the accuracy before recovery; the text says what recovered it."""
+    from onnxdiag.graph import GraphIndex
+
+    folder, model, data = tiny
+    out = tmp_path / "bn.onnx"
+    result = run("prune-channels", model, "--ratio", 0.5, "--score", "magnitude", "--data",
+                 data, "--eval-data", data, "--recalibrate-bn", "-o", out,
+                 "--out", tmp_path / "rep")
+    assert result.exit_code == 0, result.output
+    side = json.loads((tmp_path / "bn.onnx.json").read_text())
+    small = onnx.load(out)
+    onnx.checker.check_model(small, full_check=True)
+    bns = [n for n in small.graph.node if n.op_type == "BatchNormalization"]
+    assert len(side["recalibration"]["bns"]) == len(bns) > 0
+    assert side["recalibration"]["n_images"] == 160
+    assert 0 <= side["accuracy_before_recovery"]["accuracy"] <= 1
+    x = np.load(data)["x"]
+    index = GraphIndex(small)
+    outs = corpus.run_ort(small, {"x": x}, [b.input[0] for b in bns])
+    for bn in bns:
+        v = np.moveaxis(outs[bn.input[0]].astype(np.float64), 1, -1).reshape(
+            -1, outs[bn.input[0]].shape[1])
+        np.testing.assert_allclose(index.get_constant(bn.input[3]), v.mean(0), rtol=1e-4,
+                                   atol=1e-5)
+        np.testing.assert_allclose(index.get_constant(bn.input[4]), v.var(0, ddof=1),
+                                   rtol=1e-4, atol=1e-6)
+    text = (tmp_path / "rep" / "report.txt").read_text()
+    assert "after BN recalibration" in text and f"{len(bns)} BatchNormalization" in text
+
+
+def test_prune_sweep_recalibrate_bn_is_an_after_curve(tiny, tmp_path):
+    """Label-free recovery in the sweep: every cell has an accuracy after BN recalibration
+    that equals recalibrating that cell's pruned model directly, the after-AUC uses the
+    recalibrated dense model, and the report names the recovery."""
+    folder, model, data = tiny
+    result = run("prune-sweep", model, "--ratios", "0.5", "--scores", "magnitude,random",
+                 "--data", data, "--eval-data", data, "--recalibrate-bn",
+                 "--out", tmp_path / "sw", "--format", "json")
+    assert result.exit_code == 0, result.output
+    sweep = json.loads(result.stdout)["prune_sweep"]
+    assert sweep["recovery"] == "BN recalibration" and sweep["finetune"] is False
+    assert all(v["after"] is not None for v in sweep["auc"].values())
+    one = run("prune-channels", model, "--ratio", 0.5, "--score", "magnitude", "--data", data,
+              "--eval-data", data, "--recalibrate-bn", "-o", tmp_path / "m.onnx",
+              "--out", tmp_path / "one")
+    assert one.exit_code == 0, one.output
+    side = json.loads((tmp_path / "m.onnx.json").read_text())
+    cell = next(r for r in sweep["rows"] if r["score"] == "magnitude")
+    assert cell["accuracy_after"] == pytest.approx(side["accuracy_after"]["accuracy"])
+    assert cell["accuracy_before"] == pytest.approx(side["accuracy_before_recovery"]["accuracy"])
+    assert "after recovery (BN recalibration)" in (tmp_path / "sw" / "report.txt").read_text()
+
+
+def test_recalibrate_bn_needs_calibration_data(tiny, tmp_path):
+    folder, model, data = tiny
+    rep = tmp_path / "rep"
+    for verb, extra in (("prune-channels", ["-o", tmp_path / "x.onnx"]), ("prune-sweep", [])):
+        assert_user_error(run(verb, model, "--score" if verb == "prune-channels" else "--scores",
+                              "magnitude", "--eval-data", data, "--recalibrate-bn",
+                              "--out", rep, *extra), "--recalibrate-bn needs calibration", rep)
+    assert not (tmp_path / "x.onnx").exists()
+
+
 # -- fine-tuning: runs in CI's training environment ------------------------------------------
 @pytest.fixture(scope="module")
 def training():

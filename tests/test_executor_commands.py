@@ -199,3 +199,22 @@ def test_prune_sweep_failed_cell_is_reported_others_kept(small_eval, monkeypatch
     assert sec["auc"]["magnitude"] == ref["auc"]["magnitude"]
     assert sec["auc"]["two_axis"]["before"] is None  # an incomplete curve has no AUC
     assert "FAILED cell two_axis ratio 0.5: no memory left" in res.text
+
+
+def test_prune_sweep_recalibrated_cells_equal_on_local_workers_and_ray(ray_executor,
+                                                                      small_eval):
+    """--recalibrate-bn on 2 local worker processes (each reads the calibration file
+    itself) and on Ray (shipped once) gives the cells of the in-process sweep."""
+    args = dict(SWEEP, scores=["magnitude"], recalibrate_bn=True)
+    here = prune_sweep_report(str(SAMPLE.model), eval_data=small_eval, **args).report
+    workers = prune_sweep_report(str(SAMPLE.model), eval_data=small_eval, jobs=2,
+                                 **args).report
+    on_ray = prune_sweep_report(str(SAMPLE.model), eval_data=small_eval,
+                                executor=ray_executor, **args).report
+    rows = here["prune_sweep"]["rows"]
+    assert all(r["accuracy_after"] is not None for r in rows)
+    for other in (workers, on_ray):
+        assert json.dumps(other["prune_sweep"]["rows"], sort_keys=True) == \
+            json.dumps(rows, sort_keys=True)
+        assert other["prune_sweep"]["dense_accuracy_after_recovery"] == \
+            here["prune_sweep"]["dense_accuracy_after_recovery"]

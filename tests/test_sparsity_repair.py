@@ -198,3 +198,46 @@ def test_repair_handles_constant_nodes_and_1x1_spatial_inputs(build, method):
     masks_all = {k: np.ones_like(v) for k, v in masks.items()}
     dense, _ = repair_model(model, structure, masks_all, calib, method=method)
     np.testing.assert_allclose(_logits(dense, calib), _logits(model, calib), atol=1e-5)
+
+
+@pytest.mark.parametrize("build", [residual_block, conv_bn_chain])
+def test_recalibrate_batchnorm_after_channel_removal_is_a_fixed_point(build):
+    """On a model with channels physically removed, every BN's new running statistics
+    equal the mean / unbiased variance of its input in the recalibrated model itself
+    (upstream BNs recalibrated first), the input model is untouched, and a second
+    recalibration changes nothing."""
+    from onnxdiag.sparsity.repair import recalibrate_batchnorm
+    from onnxdiag.structured import plan_pruning, prune_channels
+    from onnxdiag.structured.scores import magnitude_scores
+
+    model = load_model(build())
+    structure = analyze_structure(model)
+    plan = plan_pruning(model, structure, magnitude_scores(model, structure), 0.5)
+    pruned, _ = prune_channels(model, structure, plan)
+    before = model_hash(pruned)
+    calib = [random_feeds(pruned, batch=5, seed=i) for i in range(3)]
+    out, record = recalibrate_batchnorm(pruned, calib)
+    assert model_hash(pruned) == before
+    index = GraphIndex(out)
+    bns = [n for n in index.nodes if n.op_type == "BatchNormalization"]
+    assert bns and sorted(record.bns) == sorted(b.name for b in bns)
+    assert record.n_images == 15 and record.passes["sequential"] == 1
+    stats = _stats(out, calib, [b.input[0] for b in bns])
+    for bn in bns:
+        mean, var = stats[bn.input[0]]
+        np.testing.assert_allclose(index.get_constant(bn.input[3]), mean, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(index.get_constant(bn.input[4]), var, rtol=1e-4, atol=1e-6)
+    again, _ = recalibrate_batchnorm(out, calib)
+    np.testing.assert_allclose(_logits(again, calib), _logits(out, calib), rtol=1e-4, atol=1e-5)
+
+
+def test_recalibrate_batchnorm_without_bn_says_so():
+    from onnxdiag.sparsity.repair import recalibrate_batchnorm
+
+    model = load_model(conv_bn_folded())
+    out, record = recalibrate_batchnorm(model, [random_feeds(model, batch=3)])
+    assert record.bns == {} and "nothing to recalibrate" in record.notes[0]
+    np.testing.assert_array_equal(_logits(out, [random_feeds(model, batch=3)]),
+                                  _logits(model, [random_feeds(model, batch=3)]))
+    with pytest.raises(OnnxDiagError, match="at least 2 calibration samples"):
+        recalibrate_batchnorm(model, [])

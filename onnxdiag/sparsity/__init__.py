@@ -6,7 +6,8 @@
 - :mod:`.repairability` (C2): :func:`compute_rr_curves` → :class:`RRCurves` (one capture
   pass, single layers evaluated offline in NumPy).
 - :mod:`.repair` (C1): :func:`repair_model` (CR variants, BN recalibration, folded-BN
-  affine) → repaired copy + :class:`RepairRecord`.
+  affine) → repaired copy + :class:`RepairRecord`; :func:`recalibrate_batchnorm` (every
+  BN of any model, e.g. after structured pruning).
 - :mod:`.transition` (C4): :func:`agreement`, :func:`transition_band`, :func:`cts`.
 - :mod:`.sweep` (C3–C4): :class:`~.sweep.Pruner` (a dense model prepared once) and
   :func:`~.sweep.run_sweep` over sparsity × allocation × repair; grid parsing, bands, winners.
@@ -24,7 +25,14 @@ from .masks import (
     make_masks,
     read_weights,
 )
-from .repair import METHODS, BNRepair, LayerRepair, RepairRecord, repair_model
+from .repair import (
+    METHODS,
+    BNRepair,
+    LayerRepair,
+    RepairRecord,
+    recalibrate_batchnorm,
+    repair_model,
+)
 from .repairability import DEFAULT_GRID, RRCurves, compute_rr_curves
 from .transition import TransitionBand, agreement, cts, cts_band, transition_band
 
@@ -32,6 +40,6 @@ __all__ = [
     "DEFAULT_GRID", "METHODS", "RULES", "Allocation", "BNRepair", "LayerInfo", "LayerRepair",
     "RRCurves", "RepairRecord", "TransitionBand", "agreement", "allocate_sparsity",
     "apply_masks", "compute_rr_curves", "cts", "cts_band", "describe_layers", "find_prunable",
-    "magnitude_mask", "make_masks", "prune_count", "read_weights", "repair_model",
-    "transition_band",
+    "magnitude_mask", "make_masks", "prune_count", "read_weights", "recalibrate_batchnorm",
+    "repair_model", "transition_band",
 ]

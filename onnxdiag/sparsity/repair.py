@@ -193,6 +193,41 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
     return pruned, RepairRecord(method, alpha_cap, recalibrate, n, done_layers, done_bns, passes)
 
 
+def recalibrate_batchnorm(model: onnx.ModelProto, calib_source, *, n_images: int | None = None,
+                          providers=None, threads: int | None = None
+                          ) -> tuple[onnx.ModelProto, RepairRecord]:
+    """Every BatchNormalization's running mean / variance set to the batch statistics of
+    its input (unbiased variance) on ``calib_source``, in topological order: each BN is
+    measured with every upstream BN already recalibrated.
+
+    Label-free recovery of a model whose channels were removed (structured pruning): the
+    BNs re-standardise what the narrower layers now produce. BN folded into convs is
+    not touched (there is nothing to recalibrate; the record's notes say so). The first
+    ``n_images`` samples (all when None) are held in memory for the sequential pass.
+    Returns a copy (``model`` is never modified) and a :class:`RepairRecord` (method
+    "bn", recalibrate "all").
+    """
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    batches = _collect_batches(calib_source, n_images)
+    n = sum(_batch_len(b) for b in batches)
+    index = GraphIndex(out)
+    bns = [node for node in index.nodes if node.op_type == "BatchNormalization"]
+    if not bns:
+        return out, RepairRecord("bn", 0.0, "all", n, {}, {},
+                                 {"dense": 0, "sequential": 0, "segments": 0},
+                                 ("no BatchNormalization node (BN folded into the convs?): "
+                                  "nothing to recalibrate",))
+    seg = SegmentedPass(out, batches, providers=providers, threads=threads)
+    uses = count_uses(out)
+    done = {}
+    for bn in sorted(bns, key=lambda b: seg.position(b.input[0])):
+        seg.run_to(seg.position(bn.input[0]), keep=[bn.input[0]])
+        done[bn.name] = _recalibrate_bn(seg, bn, uses)
+    return out, RepairRecord("bn", 0.0, "all", n, {}, done,
+                             {"dense": 0, "sequential": 1, "segments": seg.n_segments})
+
+
 def _collect_batches(source, n_images: int | None) -> list[dict]:
     feeds_iter = (b.feeds for b in source.batches()) if hasattr(source, "batches") else source
     batches, seen = [], 0
