@@ -111,7 +111,7 @@ def prune_channels_report(model, *, output, ratio=0.5, score="two_axis", data=No
     """
     from .emit import compare_models, emit_model, finalize_model, measure_latency
     from .graph import analyze_structure
-    from .model_io import get_input_specs, load_model
+    from .model_io import get_input_specs, load_model, model_hash
     from .probe import make_head_runner
     from .structured import load_plan, plan_pruning, prune_channels, replay_plan, save_plan
 
@@ -191,7 +191,8 @@ def prune_channels_report(model, *, output, ratio=0.5, score="two_axis", data=No
     if plan_out:
         save_plan(the_plan, plan_out)
     info["file_size_ratio"] = _ratio(info["emitted"]["file_bytes"], info.get("source_file_bytes"))
-    meta = build_metadata(command="prune-channels", model_path=model,
+    meta = build_metadata(command="prune-channels", model_path=model, model_hash=model_hash(m),
+                          data=_described(calibration=calib, eval=evaluation),
                           parameters=dict(output=str(output), ratio=ratio, score=score,
                                           budget=budget, alpha=alpha, beta=beta,
                                           plan=plan, reference=reference,
@@ -256,6 +257,11 @@ class _Feeds(dict):
         if isinstance(key, slice):
             return _Feeds({k: v[key] for k, v in self.items()})
         return super().__getitem__(key)
+
+
+def _described(**sources) -> dict:
+    """{role: DataSource.describe()} of the sources given (None ones left out)."""
+    return {role: src.describe() for role, src in sources.items() if src is not None}
 
 
 def _check_recalibration(recalibrate_bn: bool, data) -> None:
@@ -401,7 +407,7 @@ def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES
     from .executor import LocalExecutor, RayExecutor, open_executor
     from .finetune import _import_training
     from .graph import analyze_structure
-    from .model_io import get_input_specs, load_model
+    from .model_io import get_input_specs, load_model, model_hash
     from .probe import evaluate_model, make_head_runner
     from .structured import plan_pruning
 
@@ -526,7 +532,8 @@ def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES
     section = summarize_sweep(rows, dense, scores, budget, recovery, dense_after)
     section["notes"] = sorted(set(notes))
     section["failed"] = sorted(failed, key=lambda f: (scores.index(f["score"]), f["ratio"]))
-    meta = build_metadata(command="prune-sweep", model_path=model,
+    meta = build_metadata(command="prune-sweep", model_path=model, model_hash=model_hash(m),
+                          data=_described(calibration=calib, eval=evaluation, train=train),
                           parameters=dict(ratios=ratios, scores=scores, budget=budget,
                                           alpha=alpha, beta=beta,
                                           recalibrate_bn=recalibrate_bn, finetune=finetune,

@@ -57,6 +57,12 @@ def test_reports_validate_against_the_published_schema(reports, verb):
     report = json.loads((reports[verb] / "report.json").read_text())
     validate_report(report)
     assert report["metadata"]["command"] == verb
+    if verb != "select":  # one model: its hash makes the report reproducible
+        from onnxdiag.model_io import load_model, model_hash
+
+        assert report["metadata"]["model_sha256"] == model_hash(load_model(SAMPLE.model))
+        header = (reports[verb] / "report.txt").read_text().splitlines()[1]
+        assert header == f"model sha256 {report['metadata']['model_sha256'][:16]}…"
 
 
 def test_schema_rejects_a_broken_report(reports):
