@@ -7,7 +7,8 @@ Each SWEEP_DIR is a prune-sweep report folder (report.json), one per --seed, all
 same ratios and scores. Prints, per score, the top-1 accuracy (%) at each kept-channel
 fraction before / after recovery (mean over the reports), the normalised AUC before and
 after (mean ± sd over the reports), and per report the best local-axis (ix, peer) minus
-best target-axis (relevance) AUC in points.
+best target-axis (relevance) AUC in points. "After" is whatever recovery the sweeps
+applied (--recalibrate-bn and/or --finetune; the report's "recovery").
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ def main(argv=None) -> int:
     sweeps = [json.loads((f / "report.json").read_text())["prune_sweep"] for f in folders]
     scores = list(sweeps[0]["auc"])
     ratios = sorted({r["ratio"] for r in sweeps[0]["rows"]})
-    fin = sweeps[0]["finetune"]
+    recovery = sweeps[0].get("recovery") or ("fine-tuning" if sweeps[0]["finetune"] else None)
+    fin = bool(recovery)
     dense = sweeps[0]["dense_accuracy"]
-    top = sweeps[0].get("dense_accuracy_after_recovery")
+    top = [s.get("dense_accuracy_after_recovery") for s in sweeps]
     print(f"{len(sweeps)} report(s); dense top-1 {100 * dense:.1f} %"
-          + ("" if top is None else f", dense after the same fine-tuning {100 * top:.1f} %"))
+          + ("" if top[0] is None else f", dense after the same {recovery} "
+             + ", ".join(f"{100 * t:.1f}" for t in top) + " %"))
     head = "| score | " + " | ".join(f"kept {1 - r:.2f}" for r in ratios) + \
         " | AUC before | AUC after |"
     print(head)
