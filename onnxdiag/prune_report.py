@@ -164,7 +164,8 @@ def prune_channels_report(model, *, output, ratio=0.5, score="two_axis", data=No
                        evaluation) if recovered else None
     recalibration = None
     if recalibrate_bn:
-        pruned, recalibration = _recalibrate(pruned, calib, providers)
+        pruned, recalibration = _recalibrate(pruned, calib, providers, m, structure,
+                                             the_plan.removed)
     ft = None
     if finetune:
         pruned, ft = _finetune(pruned, train_data, train_labels, specs, epochs=epochs, lr=lr,
@@ -270,12 +271,17 @@ def _check_recalibration(recalibrate_bn: bool, data) -> None:
                             "statistics; pass --data FILE (labels are not needed).")
 
 
-def _recalibrate(model, calib, providers) -> tuple:
-    """(model with every BN recalibrated on ``calib``, the record as a dict)."""
+def _recalibrate(model, calib, providers, dense=None, structure=None, removed=None) -> tuple:
+    """(model with every BN recalibrated on ``calib``, the record as a dict); given the
+    ``dense`` model, its ``structure`` and the plan's ``removed`` channels, convs without
+    BN (folded) are re-standardised to the dense statistics of the channels they keep."""
     from .emit import finalize_model
     from .sparsity.repair import recalibrate_batchnorm
+    from .structured import kept_output_channels
 
-    out, record = recalibrate_batchnorm(model, calib, providers=providers)
+    kept = None if dense is None else kept_output_channels(structure, removed)
+    out, record = recalibrate_batchnorm(model, calib, dense_model=dense, kept_channels=kept,
+                                        providers=providers)
     return finalize_model(out), record.to_dict()
 
 
@@ -319,8 +325,10 @@ def render_prune(info: dict) -> str:
                      f"recovery, {100 * acc_a['accuracy']:.2f} % after {steps}")
     rcl = info.get("recalibration")
     if rcl:
-        lines.append(f"BN recalibration: {len(rcl['bns'])} BatchNormalization nodes on "
-                     f"{rcl['n_images']} calibration images"
+        lines.append(f"BN recalibration: {len(rcl['bns'])} BatchNormalization nodes"
+                     + (f" and {len(rcl['layers'])} convs without BN re-standardised"
+                        if rcl["layers"] else "")
+                     + f" on {rcl['n_images']} calibration images"
                      + "".join(f"; {n}" for n in rcl.get("notes", [])))
     cmp_ = info.get("comparison_with_source")
     if cmp_:
@@ -453,7 +461,8 @@ def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES
                                             batch_size=batch_size)
     dense_after = None
     if recalibrate_bn or finetune:  # the dense model under the same recovery: the top
-        recovered = m if not recalibrate_bn else _recalibrate(m, calib, providers)[0]
+        recovered = m if not recalibrate_bn else _recalibrate(m, calib, providers, m,
+                                                              structure, {})[0]
         dense_after = accuracy(recovered, structure)
         if finetune:
             from .finetune import finetune_model
@@ -718,7 +727,7 @@ def _sweep_cell(cell, model_bytes: bytes, ctx: dict) -> dict:
            "accuracy_before": evaluate_model(runner, p_struct.head, evaluation).accuracy,
            "accuracy_after": None}
     if ctx.get("recalibrate_bn"):
-        pruned = _recalibrate(pruned, calib, ctx["providers"])[0]
+        pruned = _recalibrate(pruned, calib, ctx["providers"], m, structure, plan.removed)[0]
         if not ctx["finetune"]:
             runner = make_head_runner(pruned, p_struct.head, providers=ctx["providers"],
                                       threads=ctx["threads"])

@@ -94,6 +94,17 @@ class Moments:
         self._combine(int(n_b), (centre - self._shift) + offset, m2)
         return self
 
+    def select(self, features) -> Moments:
+        """A new accumulator of the chosen ``features`` only (indices into 0..d−1, in the
+        order given): the same samples' moments of those columns."""
+        idx = np.asarray(features, dtype=np.intp).reshape(-1)
+        out = Moments(max(len(idx), 1), full=self.full)
+        out.n_features = len(idx)
+        out.n = self.n
+        out._shift, out._mean = self._shift[idx].copy(), self._mean[idx].copy()
+        out._m2 = self._m2[np.ix_(idx, idx)].copy() if self.full else self._m2[idx].copy()
+        return out
+
     def merge(self, other: Moments) -> Moments:
         """Fold in another accumulator (e.g. from a data shard); returns self.
 

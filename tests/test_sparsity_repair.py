@@ -236,8 +236,61 @@ def test_recalibrate_batchnorm_without_bn_says_so():
 
     model = load_model(conv_bn_folded())
     out, record = recalibrate_batchnorm(model, [random_feeds(model, batch=3)])
-    assert record.bns == {} and "nothing to recalibrate" in record.notes[0]
+    assert record.bns == {} and record.layers == {}
+    assert "2 conv(s) without BatchNormalization left" in record.notes[0]
+    assert "nothing to recalibrate" in record.notes[1]
     np.testing.assert_array_equal(_logits(out, [random_feeds(model, batch=3)]),
                                   _logits(model, [random_feeds(model, batch=3)]))
     with pytest.raises(OnnxDiagError, match="at least 2 calibration samples"):
         recalibrate_batchnorm(model, [])
+
+
+def test_recalibration_restandardises_folded_convs_to_the_dense_statistics_they_keep():
+    """BN folded into the convs: with the dense model, every conv without BN gets
+    y' = (y − μ^p)·σ^d/σ^p + μ^d, so in the recovered pruned model each conv output
+    channel has the mean and std of the dense channel it kept (upstream repairs in
+    place); the kept-channel map is the plan's."""
+    from onnxdiag.sparsity.repair import recalibrate_batchnorm
+    from onnxdiag.structured import kept_output_channels, plan_pruning, prune_channels
+    from onnxdiag.structured.scores import magnitude_scores
+
+    model = load_model(conv_bn_folded())
+    structure = analyze_structure(model)
+    plan = plan_pruning(model, structure, magnitude_scores(model, structure), 0.5)
+    pruned, _ = prune_channels(model, structure, plan)
+    kept = kept_output_channels(structure, plan.removed)
+    assert sorted(kept) == ["conv0", "conv1"] and len(kept["conv0"]) == 4
+    calib = [random_feeds(model, batch=6, seed=i) for i in range(3)]
+    out, record = recalibrate_batchnorm(pruned, calib, dense_model=model, kept_channels=kept)
+    assert sorted(record.layers) == ["conv0", "conv1"] and record.bns == {}
+    assert all(r.kind == "affine" for r in record.layers.values())
+    convs = ["conv0", "conv1"]
+    dense, fixed = _stats(model, calib, convs), _stats(out, calib, convs)
+    for name in convs:
+        np.testing.assert_allclose(fixed[name][0], dense[name][0][kept[name]], rtol=1e-4,
+                                   atol=1e-5)
+        np.testing.assert_allclose(fixed[name][1], dense[name][1][kept[name]], rtol=1e-3,
+                                   atol=1e-6)
+    before = _stats(pruned, calib, ["conv1"])["conv1"][1]
+    assert not np.allclose(before, dense["conv1"][1][kept["conv1"]], rtol=1e-2)
+
+
+def test_kept_output_channels_index_the_original_channels():
+    """Channel j of a pruned member is original channel kept[j]: the pruned BN's scale
+    equals the original scale at the kept indices, for every narrowed member."""
+    from onnxdiag.structured import kept_output_channels, plan_pruning, prune_channels
+    from onnxdiag.structured.scores import random_scores
+
+    model = load_model(residual_block())
+    structure = analyze_structure(model)
+    plan = plan_pruning(model, structure, random_scores(structure, seed=4), 0.5)
+    pruned, record = prune_channels(model, structure, plan)
+    kept = kept_output_channels(structure, plan.removed)
+    assert set(kept) == set(record.widths)
+    before, after = GraphIndex(model), GraphIndex(pruned)
+    for name, idx in kept.items():
+        bn = structure.get_layer(name).bn_node
+        assert len(idx) == record.widths[name][1] and idx == sorted(idx)
+        scale = before.get_constant(before.get_node(bn).input[1])
+        np.testing.assert_array_equal(after.get_constant(after.get_node(bn).input[1]),
+                                      scale[idx])

@@ -179,3 +179,23 @@ def test_draw_positions_counter_based_and_uniform():
     assert (pos != other).mean() > 0.9
     small = draw_positions(9, 16, seed=4, sample_indices=np.arange(3))
     np.testing.assert_array_equal(small, np.tile(np.arange(9), (3, 1)))
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_select_equals_the_moments_of_the_chosen_columns(full):
+    from onnxdiag.stats import Moments
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(50, 6)) * 4 + 10
+    acc = Moments(6, full=full)
+    for part in np.split(x, [7, 30]):
+        acc.update(part)
+    idx = [4, 0, 5]
+    sub, ref = acc.select(idx), Moments(3, full=full).update(x[:, idx])
+    assert sub.n == 50 and sub.n_features == 3
+    np.testing.assert_allclose(sub.mean, ref.mean, rtol=1e-13)
+    np.testing.assert_allclose(sub.var(), ref.var(), rtol=1e-12)
+    if full:
+        np.testing.assert_allclose(sub.cov(), ref.cov(), rtol=1e-12, atol=1e-12)
+    sub.update(x[:3, idx])  # an independent accumulator
+    assert acc.n == 50

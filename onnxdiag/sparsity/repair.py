@@ -193,39 +193,79 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
     return pruned, RepairRecord(method, alpha_cap, recalibrate, n, done_layers, done_bns, passes)
 
 
-def recalibrate_batchnorm(model: onnx.ModelProto, calib_source, *, n_images: int | None = None,
-                          providers=None, threads: int | None = None
-                          ) -> tuple[onnx.ModelProto, RepairRecord]:
-    """Every BatchNormalization's running mean / variance set to the batch statistics of
-    its input (unbiased variance) on ``calib_source``, in topological order: each BN is
-    measured with every upstream BN already recalibrated.
+def recalibrate_batchnorm(model: onnx.ModelProto, calib_source, *, dense_model=None,
+                          kept_channels: dict | None = None, alpha_cap: float = 100.0,
+                          n_images: int | None = None, providers=None,
+                          threads: int | None = None) -> tuple[onnx.ModelProto, RepairRecord]:
+    """Label-free recovery of a model whose channels were removed (structured pruning).
 
-    Label-free recovery of a model whose channels were removed (structured pruning): the
-    BNs re-standardise what the narrower layers now produce. BN folded into convs is
-    not touched (there is nothing to recalibrate; the record's notes say so). The first
-    ``n_images`` samples (all when None) are held in memory for the sequential pass.
-    Returns a copy (``model`` is never modified) and a :class:`RepairRecord` (method
-    "bn", recalibrate "all").
+    Every BatchNormalization's running mean / variance is set to the batch statistics of
+    its input (unbiased variance) on ``calib_source``. With ``dense_model`` (the model
+    before pruning, same node names), every non-head Conv *without* a BN (folded by the
+    exporter, or absent) gets the equivalent re-standardisation instead, as SPEC C1's
+    ``bn`` repair: y' = (y − μ^p)·σ^d/σ^p + μ^d per output channel (σ ratio capped at
+    ``alpha_cap``), folded into its weights and bias, where μ^d, σ^d are the dense
+    model's statistics of the same channel: ``kept_channels`` maps a conv to the dense
+    output-channel index of each channel it still has (absent: unchanged width).
+    Everything happens in topological order, each measurement with the upstream
+    repairs in place (one forward pass in segments). The first ``n_images`` samples (all
+    when None) are held in memory. Returns a copy (``model`` is never modified) and a
+    :class:`RepairRecord` (method "bn", recalibrate "all").
     """
+    from ..graph import analyze_structure
+
     out = onnx.ModelProto()
     out.CopyFrom(model)
     batches = _collect_batches(calib_source, n_images)
     n = sum(_batch_len(b) for b in batches)
     index = GraphIndex(out)
     bns = [node for node in index.nodes if node.op_type == "BatchNormalization"]
-    if not bns:
-        return out, RepairRecord("bn", 0.0, "all", n, {}, {},
-                                 {"dense": 0, "sequential": 0, "segments": 0},
-                                 ("no BatchNormalization node (BN folded into the convs?): "
-                                  "nothing to recalibrate",))
+    folded = [la for la in analyze_structure(out, require_head=False).layers
+              if la.op_type == "Conv" and not la.is_head and la.bn_node is None]
+    notes = []
+    if folded and dense_model is None:
+        notes.append(f"{len(folded)} conv(s) without BatchNormalization left as they are "
+                     "(give the dense model to re-standardise them)")
+        folded = []
+    if not bns and not folded:
+        notes.append("no BatchNormalization node (BN folded into the convs?): nothing to "
+                     "recalibrate")
+        return out, RepairRecord("bn", alpha_cap, "all", n, {}, {},
+                                 {"dense": 0, "sequential": 0, "segments": 0}, tuple(notes))
+    dense = {}
+    if folded:
+        dense_layers = {la.node_name: la
+                        for la in analyze_structure(dense_model, require_head=False).layers}
+        missing = [la.node_name for la in folded if la.node_name not in dense_layers]
+        if missing:
+            raise OnnxDiagError(f"Conv {missing[0]!r} is not in the dense model; pass the "
+                                "model this one was pruned from.")
+        full = _dense_moments(dense_model, [dense_layers[la.node_name] for la in folded],
+                              batches, providers, threads)
+        kept_channels = kept_channels or {}
+        for la in folded:
+            keep = kept_channels.get(la.node_name, range(la.n_out))
+            if len(keep) != la.n_out:
+                raise OnnxDiagError(f"Conv {la.node_name!r} has {la.n_out} output channels "
+                                    f"but {len(keep)} kept channels were given.")
+            dense[la.node_name] = full[la.node_name].select(keep)
     seg = SegmentedPass(out, batches, providers=providers, threads=threads)
+    items = sorted([(seg.position(la.output), 0, i) for i, la in enumerate(folded)]
+                   + [(seg.position(b.input[0]), 1, i) for i, b in enumerate(bns)])
     uses = count_uses(out)
-    done = {}
-    for bn in sorted(bns, key=lambda b: seg.position(b.input[0])):
-        seg.run_to(seg.position(bn.input[0]), keep=[bn.input[0]])
-        done[bn.name] = _recalibrate_bn(seg, bn, uses)
-    return out, RepairRecord("bn", 0.0, "all", n, {}, done,
-                             {"dense": 0, "sequential": 1, "segments": seg.n_segments})
+    done_layers, done_bns = {}, {}
+    for pos, kind, i in items:
+        tensor = folded[i].output if kind == 0 else bns[i].input[0]
+        seg.run_to(pos, keep=[tensor])
+        if kind == 0:
+            la = folded[i]
+            done_layers[la.node_name] = _repair_conv(seg, index, la, dense[la.node_name], None,
+                                                     True, alpha_cap, uses)
+        else:
+            done_bns[bns[i].name] = _recalibrate_bn(seg, bns[i], uses)
+    return out, RepairRecord("bn", alpha_cap, "all", n, done_layers, done_bns,
+                             {"dense": int(bool(folded)), "sequential": 1,
+                              "segments": seg.n_segments}, tuple(notes))
 
 
 def _collect_batches(source, n_images: int | None) -> list[dict]:

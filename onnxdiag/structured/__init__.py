@@ -11,11 +11,18 @@ No function modifies its input model.
 """
 
 from .plan import BUDGETS, PLAN_SCHEMA, Plan, load_plan, plan_pruning, replay_plan, save_plan
-from .prune import GroupCut, PruneRecord, normalize_removed, prune_channels
+from .prune import (
+    GroupCut,
+    PruneRecord,
+    kept_output_channels,
+    normalize_removed,
+    prune_channels,
+)
 from .scores import bn_scale_scores, magnitude_scores, random_scores, score_groups
 
 __all__ = [
     "BUDGETS", "PLAN_SCHEMA", "GroupCut", "Plan", "PruneRecord", "bn_scale_scores",
-    "load_plan", "magnitude_scores", "normalize_removed", "plan_pruning", "prune_channels",
+    "kept_output_channels", "load_plan", "magnitude_scores", "normalize_removed",
+    "plan_pruning", "prune_channels",
     "random_scores", "replay_plan", "save_plan", "score_groups",
 ]

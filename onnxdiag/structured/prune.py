@@ -141,6 +141,19 @@ def normalize_removed(structure: Structure, removed: Mapping) -> dict[int, tuple
     return dict(sorted(out.items()))
 
 
+def kept_output_channels(structure: Structure, removed: Mapping) -> dict[str, list[int]]:
+    """Member layer → the original index of each output channel it keeps, in order, for
+    the layers ``removed`` (as for :func:`prune_channels`) narrows: channel j of the
+    pruned layer is channel ``kept[j]`` of the original (e.g. to compare statistics)."""
+    gone: dict[str, set[int]] = defaultdict(set)
+    for gid, channels in normalize_removed(structure, removed).items():
+        group = structure.groups[gid]
+        for member, offset in zip(group.members, group.member_offsets):
+            gone[member].update(offset + c for c in channels)
+    return {name: [i for i in range(structure.get_layer(name).n_out) if i not in lost]
+            for name, lost in gone.items()}
+
+
 def _group_id(structure: Structure, key) -> int:
     try:
         gid = int(key)
