@@ -175,22 +175,32 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
     if not (repaired or bns):
         return pruned, RepairRecord(method, alpha_cap, recalibrate, n, {}, {}, passes)
     dense = _dense_moments(model, repaired, batches, providers, threads)
-    seg = SegmentedPass(pruned, batches, providers=providers, threads=threads)
-    items = sorted([(seg.position(la.output), 0, i) for i, la in enumerate(repaired)]
+    done_layers, done_bns, passes["segments"] = _sequential(
+        pruned, index, batches, repaired, dense, bns, cr_kind, with_bn, alpha_cap, providers,
+        threads)
+    return pruned, RepairRecord(method, alpha_cap, recalibrate, n, done_layers, done_bns, passes)
+
+
+def _sequential(model, index, batches, convs, dense, bns, cr_kind, with_bn, alpha_cap,
+                providers, threads) -> tuple[dict, dict, int]:
+    """Repair ``convs`` (to ``dense`` moments) and recalibrate ``bns`` of ``model`` (edited
+    in place) in topological order, each measured with the upstream repairs in place;
+    returns (LayerRepair per conv, BNRepair per BN, sessions run)."""
+    seg = SegmentedPass(model, batches, providers=providers, threads=threads)
+    items = sorted([(seg.position(la.output), 0, i) for i, la in enumerate(convs)]
                    + [(seg.position(b.input[0]), 1, i) for i, b in enumerate(bns)])
-    uses = count_uses(pruned)
+    uses = count_uses(model)
     done_layers, done_bns = {}, {}
     for pos, kind, i in items:
-        tensor = repaired[i].output if kind == 0 else bns[i].input[0]
+        tensor = convs[i].output if kind == 0 else bns[i].input[0]
         seg.run_to(pos, keep=[tensor])
         if kind == 0:
-            la = repaired[i]
+            la = convs[i]
             done_layers[la.node_name] = _repair_conv(
                 seg, index, la, dense[la.node_name], cr_kind, with_bn, alpha_cap, uses)
         else:
             done_bns[bns[i].name] = _recalibrate_bn(seg, bns[i], uses)
-    passes["segments"] = seg.n_segments
-    return pruned, RepairRecord(method, alpha_cap, recalibrate, n, done_layers, done_bns, passes)
+    return done_layers, done_bns, seg.n_segments
 
 
 def recalibrate_batchnorm(model: onnx.ModelProto, calib_source, *, dense_model=None,
@@ -249,23 +259,11 @@ def recalibrate_batchnorm(model: onnx.ModelProto, calib_source, *, dense_model=N
                 raise OnnxDiagError(f"Conv {la.node_name!r} has {la.n_out} output channels "
                                     f"but {len(keep)} kept channels were given.")
             dense[la.node_name] = full[la.node_name].select(keep)
-    seg = SegmentedPass(out, batches, providers=providers, threads=threads)
-    items = sorted([(seg.position(la.output), 0, i) for i, la in enumerate(folded)]
-                   + [(seg.position(b.input[0]), 1, i) for i, b in enumerate(bns)])
-    uses = count_uses(out)
-    done_layers, done_bns = {}, {}
-    for pos, kind, i in items:
-        tensor = folded[i].output if kind == 0 else bns[i].input[0]
-        seg.run_to(pos, keep=[tensor])
-        if kind == 0:
-            la = folded[i]
-            done_layers[la.node_name] = _repair_conv(seg, index, la, dense[la.node_name], None,
-                                                     True, alpha_cap, uses)
-        else:
-            done_bns[bns[i].name] = _recalibrate_bn(seg, bns[i], uses)
+    done_layers, done_bns, segments = _sequential(out, index, batches, folded, dense, bns,
+                                                  None, True, alpha_cap, providers, threads)
     return out, RepairRecord("bn", alpha_cap, "all", n, done_layers, done_bns,
                              {"dense": int(bool(folded)), "sequential": 1,
-                              "segments": seg.n_segments}, tuple(notes))
+                              "segments": segments}, tuple(notes))
 
 
 def _collect_batches(source, n_images: int | None) -> list[dict]:
