@@ -125,7 +125,7 @@ def finetune_model(model, train_source, *, epochs: int = 5, max_batches: int = 2
         HeadNotFoundError: no classifier head (its logits define the loss).
     """
     start = time.perf_counter()
-    ort = _import_training()
+    ort = import_training()
     if not train_source.has_labels:
         raise DataError("The fine-tuning data has no labels; give an npz with a 'labels' key, "
                         "a labels file, or class sub-folders.")
@@ -182,7 +182,7 @@ def _notes(model: onnx.ModelProto, ir_version: int, masks: dict) -> tuple[str, .
 
 
 # -- setup ----------------------------------------------------------------------------------
-def _import_training():
+def import_training():
     """onnxruntime with its training API imported, or MissingExtraError with the hint."""
     try:
         import onnxruntime

@@ -118,14 +118,7 @@ def prune_channels_report(model, *, output, ratio=0.5, score="two_axis", data=No
     protect = [model, data, eval_data, train_data, plan, reference]
     folder = _check_out(out, "prune-channels", overwrite, write)
     _check_outputs(output, plan_out, protect, overwrite)
-    _check_recalibration(recalibrate_bn, data)
-    if finetune:
-        if train_data is None:
-            raise OnnxDiagError("--finetune needs labelled training data; pass "
-                                "--train-data FILE.")
-        from .finetune import _import_training
-
-        _import_training()  # fail before any work without the training extra
+    _check_recovery(recalibrate_bn, data, finetune, train_data)
     m = load_model(model)
     structure = analyze_structure(m, head=head, features=features)
     specs = get_input_specs(m)
@@ -265,10 +258,18 @@ def _described(**sources) -> dict:
     return {role: src.describe() for role, src in sources.items() if src is not None}
 
 
-def _check_recalibration(recalibrate_bn: bool, data) -> None:
+def _check_recovery(recalibrate_bn: bool, data, finetune: bool, train_data) -> None:
+    """The recovery options' inputs, checked before any work (one-line user errors)."""
     if recalibrate_bn and data is None:
         raise OnnxDiagError("--recalibrate-bn needs calibration images for the new BN "
                             "statistics; pass --data FILE (labels are not needed).")
+    if finetune:
+        if train_data is None:
+            raise OnnxDiagError("--finetune needs labelled training data; pass "
+                                "--train-data FILE.")
+        from .finetune import import_training
+
+        import_training()  # without the training extra: its install hint, before any work
 
 
 def _recalibrate(model, calib, providers, dense=None, structure=None, removed=None) -> tuple:
@@ -413,7 +414,6 @@ def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES
     model goes through the same recovery for the after-curve's top and normaliser.
     """
     from .executor import LocalExecutor, RayExecutor, open_executor
-    from .finetune import _import_training
     from .graph import analyze_structure
     from .model_io import get_input_specs, load_model, model_hash
     from .probe import evaluate_model, make_head_runner
@@ -435,12 +435,7 @@ def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES
         raise OnnxDiagError("Scores " + ", ".join(sc for sc in scores if sc in STAT_SCORES)
                             + " need calibration data for the channel statistics; pass "
                             "--data FILE (or drop them from --scores).")
-    _check_recalibration(recalibrate_bn, data)
-    if finetune:
-        if train_data is None:
-            raise OnnxDiagError("--finetune needs labelled training data; pass "
-                                "--train-data FILE.")
-        _import_training()  # fail before any work without the training extra
+    _check_recovery(recalibrate_bn, data, finetune, train_data)
     folder = _check_out(out, "prune-sweep", overwrite, write)
     m = load_model(model)
     structure = analyze_structure(m, head=head, features=features)

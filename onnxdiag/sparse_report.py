@@ -53,6 +53,19 @@ def _setup(model, *, data, labels, limit, seed, batch_size, head, features):
     return m, structure, specs, calib, materialize(calib)
 
 
+def _pruning_setup(model, *, eval_data, eval_labels, keep_dense, **setup):
+    """:func:`_setup` plus the evaluation source (None without ``eval_data``) and the
+    prunable layers: (model, structure, specs, calibration, its feeds, evaluation,
+    layers)."""
+    from .sparsity import find_prunable
+
+    m, structure, specs, calib, feeds = _setup(model, **setup)
+    evaluation = None if eval_data is None else _open(
+        eval_data, specs, labels=eval_labels, seed=setup["seed"],
+        batch_size=setup["batch_size"])
+    return m, structure, specs, calib, feeds, evaluation, find_prunable(structure, keep_dense)
+
+
 def _curves(m, layers, feeds, *, grid=None, n_images=64, positions=16, seed=0,
             providers=None, progress=False, executor=None):
     """RR curves on the first ``n_images`` calibration images, each conv's moments over
@@ -352,14 +365,10 @@ def prune_report_sparse(model, *, output, sparsity, allocation="rr", repair="cr+
     protect = [model, data, eval_data, labels, eval_labels]
     folder = _check_out(out, "prune", overwrite, write)
     _check_model_output(output, protect, overwrite)
-    m, structure, specs, calib, feeds = _setup(model, data=data, labels=labels, limit=limit,
-                                               seed=seed, batch_size=batch_size, head=head,
-                                               features=features)
-    evaluation = None if eval_data is None else _open(eval_data, specs, labels=eval_labels,
-                                                      seed=seed, batch_size=batch_size)
-    from .sparsity import find_prunable
-
-    layers = find_prunable(structure, keep_dense)
+    m, structure, specs, calib, feeds, evaluation, layers = _pruning_setup(
+        model, data=data, labels=labels, limit=limit, seed=seed, batch_size=batch_size,
+        head=head, features=features, eval_data=eval_data, eval_labels=eval_labels,
+        keep_dense=keep_dense)
     curves = None if not allocation.startswith("rr") else _curves(
         m, layers, feeds, n_images=rr_images, positions=rr_positions, seed=seed,
         providers=providers, progress=progress)
@@ -538,14 +547,10 @@ def _sweep_report(model, *, ex=None, sparsity, allocations="all", repairs="cr+bn
     rules = parse_choices(allocations, RULES, "allocation")
     methods = parse_choices(repairs, METHODS, "repair")
     folder = _check_out(out, "sweep", overwrite, write)
-    m, structure, specs, calib, feeds = _setup(model, data=data, labels=labels, limit=limit,
-                                               seed=seed, batch_size=batch_size, head=head,
-                                               features=features)
-    evaluation = None if eval_data is None else _open(eval_data, specs, labels=eval_labels,
-                                                      seed=seed, batch_size=batch_size)
-    from .sparsity import find_prunable
-
-    layers = find_prunable(structure, keep_dense)
+    m, structure, specs, calib, feeds, evaluation, layers = _pruning_setup(
+        model, data=data, labels=labels, limit=limit, seed=seed, batch_size=batch_size,
+        head=head, features=features, eval_data=eval_data, eval_labels=eval_labels,
+        keep_dense=keep_dense)
     curves = _curves(m, layers, feeds, n_images=rr_images, positions=rr_positions, seed=seed,
                      providers=providers, progress=progress,
                      executor=ex) if _needs_rr(rules) else None
