@@ -468,15 +468,7 @@ class _ShardSource:
         if self._batches is not None:
             yield from self._batches
             return
-        from .data import Batch
-
-        start, stop = self._range
-        fetch = self._source._fetch  # the indexed reader of an array / image-folder source
-        indices = self._source.indices
-        for b in range(start, stop):
-            idx = indices[b * self.batch_size:(b + 1) * self.batch_size]
-            feeds, labels = fetch(idx)
-            yield Batch(feeds, labels, idx)
+        yield from self._source.batch_range(*self._range)
 
     def describe(self) -> dict:
         return {"n_samples": self.n_samples}
@@ -487,7 +479,7 @@ def _readable_by_path(data, source) -> bool:
     from pathlib import Path
 
     return (isinstance(data, (str, Path)) and not str(data).split(":")[0].endswith(".py")
-            and source.indices is not None and getattr(source, "_fetch", None) is not None)
+            and getattr(source, "random_access", False))
 
 
 def collect_channel_moments_sharded(model, structure, data, *, executor, labels=None,

@@ -127,6 +127,23 @@ class DataSource:
         """(n_samples,) int64 selected source positions, sorted; None until known."""
         return self._indices
 
+    @property
+    def random_access(self) -> bool:
+        """Whether any batch can be read by position (arrays and image folders; not
+        streams), as :meth:`batch_range` needs."""
+        return self._fetch is not None and self._indices is not None
+
+    def batch_range(self, start: int, stop: int) -> Iterator[Batch]:
+        """Batches ``[start, stop)`` of :meth:`batches` (the same members), read directly;
+        for a :attr:`random_access` source only."""
+        if not self.random_access:
+            raise DataError(f"{self.kind} data cannot be read by batch position; "
+                                "read it once with batches().")
+        for b in range(start, stop):
+            idx = self._indices[b * self.batch_size:(b + 1) * self.batch_size]
+            feeds, labels = self._fetch(idx)
+            yield Batch(feeds, labels, idx)
+
     def batches(self) -> Iterator[Batch]:
         """Batches of at most ``batch_size`` samples, in source order."""
         batches = self._indexed_batches() if self._fetch else self._stream_batches()
@@ -136,10 +153,7 @@ class DataSource:
         return progress(batches, self.n_samples, label, step=len)
 
     def _indexed_batches(self) -> Iterator[Batch]:
-        for start in range(0, self._indices.size, self.batch_size):
-            idx = self._indices[start:start + self.batch_size]
-            feeds, labels = self._fetch(idx)
-            yield Batch(feeds, labels, idx)
+        return self.batch_range(0, -(-self._indices.size // self.batch_size))
 
     def _stream_batches(self) -> Iterator[Batch]:
         pieces = self._stream.pieces(self.inputs)  # raises now if already read

@@ -382,3 +382,22 @@ def test_image_folder_for_uint8_input(tmp_path):
     assert "pass scale=1 and no mean/std" in error_of(tmp_path / "u8", spec)
     batch = next(open_data(tmp_path / "u8", spec, image_options=ImageOptions(scale=1)).batches())
     assert batch.feeds["input"].dtype == np.uint8 and batch.feeds["input"].max() > 1
+
+
+def test_batch_range_reads_the_same_batches_by_position():
+    """An array source reads batches [start, stop) directly with the members batches()
+    gives (the sharded statistics pass relies on it); a stream has no random access."""
+    x = make_x(23)
+    source = open_data({"input": x, "labels": np.arange(23)}, SPEC, batch_size=5, limit=17,
+                       seed=4)
+    assert source.random_access
+    every = list(source.batches())
+    part = list(source.batch_range(1, 3))
+    assert [b.indices.tolist() for b in part] == [b.indices.tolist() for b in every[1:3]]
+    for a, b in zip(part, every[1:3]):
+        np.testing.assert_array_equal(a.feeds["input"], b.feeds["input"])
+        np.testing.assert_array_equal(a.labels, b.labels)
+    streamed = open_data(iter([{"input": x[:4]}]), SPEC, batch_size=2)
+    assert not streamed.random_access
+    with pytest.raises(DataError, match="cannot be read by batch position"):
+        list(streamed.batch_range(0, 1))
