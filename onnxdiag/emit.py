@@ -66,6 +66,24 @@ def compare_models(source_runner, emitted_runner, source, head, *, max_batches: 
             "top1_agreement": agree / n if n else None}
 
 
+def cpu_conv_block(cpuinfo: str | None = None) -> int | None:
+    """Channel block of ONNX Runtime's blocked (NCHWc) CPU convolutions on this machine:
+    16 with AVX-512F, 8 with AVX2 (MLAS ``NchwcBlockSize``), None when unknown (not
+    Linux x86-64, or neither). ``cpuinfo``: the text of /proc/cpuinfo (read when None)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return None
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[-1].split())
+            break
+    return 16 if "avx512f" in flags else 8 if "avx2" in flags else None
+
+
 def measure_latency(model, feeds_by_batch: dict[int, dict], *, repeats: int = 20,
                     threads: int | None = None) -> dict:
     """Median ONNX Runtime CPU latency (ms) per batch size: {batch: ms}."""

@@ -97,7 +97,7 @@ def prune_channels_report(model, *, output, ratio=0.5, score="two_axis", data=No
                           lr=1e-4, max_batches=200, limit=None, seed=0, batch_size=64,
                           providers=None, head=None, features=None, targets="auto",
                           out=None, overwrite=False, write=True, progress=True,
-                          recalibrate_bn=False) -> CommandResult:
+                          recalibrate_bn=False, round_to=None) -> CommandResult:
     """Remove channels physically and emit a smaller ONNX model (``onnxdiag prune-channels``).
 
     ``plan``: a plan JSON to replay (hash-checked) instead of scoring. ``budget``:
@@ -149,7 +149,7 @@ def prune_channels_report(model, *, output, ratio=0.5, score="two_axis", data=No
                 raise OnnxDiagError(f"The reference plan '{reference}' was made for a model "
                                     "with other channel groups; use a plan of this model.")
         the_plan = plan_pruning(m, structure, scores, ratio, budget=budget, reference=ref,
-                                seed=seed, score_name=score)
+                                seed=seed, score_name=score, round_to=round_to)
         pruned, record = prune_channels(m, structure, the_plan.removed)
     pruned = finalize_model(pruned)
     recovered = recalibrate_bn or finetune
@@ -173,6 +173,7 @@ def prune_channels_report(model, *, output, ratio=0.5, score="two_axis", data=No
     x = _example_input(specs, verify)
     latency = {"source_ms": measure_latency(m, {1: x[:1], 32: x}),
                "pruned_ms": measure_latency(pruned, {1: x[:1], 32: x})}
+    notes = notes + _width_notes(record, p_struct, round_to)
     sidecar = {"tool": "onnxdiag prune-channels", "plan": the_plan.to_dict(),
                "record": record.to_dict(), "comparison_with_source": comparison,
                "latency_cpu": latency, "accuracy_before": _eval(m, structure, evaluation),
@@ -190,7 +191,7 @@ def prune_channels_report(model, *, output, ratio=0.5, score="two_axis", data=No
                           parameters=dict(output=str(output), ratio=ratio, score=score,
                                           budget=budget, alpha=alpha, beta=beta,
                                           plan=plan, reference=reference,
-                                          recalibrate_bn=recalibrate_bn,
+                                          recalibrate_bn=recalibrate_bn, round_to=round_to,
                                           finetune=finetune, epochs=epochs, lr=lr,
                                           seed=seed, limit=limit, data=data,
                                           eval_data=eval_data))
@@ -251,6 +252,25 @@ class _Feeds(dict):
         if isinstance(key, slice):
             return _Feeds({k: v[key] for k, v in self.items()})
         return super().__getitem__(key)
+
+
+def _width_notes(record, pruned_structure, round_to) -> list[str]:
+    """A hint when narrowed convs keep widths off ONNX Runtime's CPU channel block."""
+    from .emit import cpu_conv_block
+
+    block = cpu_conv_block()
+    if not block or (round_to and round_to % block == 0):
+        return []
+    convs = {la.node_name for la in pruned_structure.layers if la.op_type == "Conv"}
+    off = sorted(name for name, (_, after) in record.widths.items()
+                 if name in convs and after % block)
+    if not off:
+        return []
+    return [f"{len(off)} of the {len(record.widths)} narrowed layers keep a width that is "
+            f"not a multiple of {block} (e.g. {off[0]}: {record.widths[off[0]][1]}); ONNX "
+            f"Runtime's blocked CPU convolutions (block {block} on this CPU) run such widths "
+            f"at the cost of the next multiple or slower: --round-to {block} keeps "
+            "multiples (benchmarks/RESULTS.md, channel alignment)."]
 
 
 def _described(**sources) -> dict:
@@ -389,7 +409,7 @@ def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES
                        epochs=5, lr=1e-4, max_batches=200, limit=None, seed=0, batch_size=64,
                        providers=None, head=None, features=None, targets="auto",
                        executor=None, jobs=None, out=None, overwrite=False, write=True,
-                       progress=True, recalibrate_bn=False) -> CommandResult:
+                       progress=True, recalibrate_bn=False, round_to=None) -> CommandResult:
     """Accuracy vs kept-channel fraction per score, before and after recovery
     (``onnxdiag prune-sweep``, SPEC B6).
 
@@ -497,7 +517,7 @@ def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES
         ctx = dict(token=uuid.uuid4().hex, per_score=per_score,  # one per sweep
                    reference=reference, budget=budget, seed=seed, providers=providers,
                    head=structure.head.node_name, finetune=finetune,
-                   recalibrate_bn=recalibrate_bn,
+                   recalibrate_bn=recalibrate_bn, round_to=round_to,
                    finetune_args=dict(epochs=epochs, lr=lr, max_batches=max_batches,
                                       seed=seed),
                    threads=None if single else 1)
@@ -540,7 +560,8 @@ def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES
                           data=_described(calibration=calib, eval=evaluation, train=train),
                           parameters=dict(ratios=ratios, scores=scores, budget=budget,
                                           alpha=alpha, beta=beta,
-                                          recalibrate_bn=recalibrate_bn, finetune=finetune,
+                                          recalibrate_bn=recalibrate_bn, round_to=round_to,
+                                          finetune=finetune,
                                           epochs=epochs, lr=lr, max_batches=max_batches,
                                           seed=seed, limit=limit, data=data,
                                           eval_data=eval_data, train_data=train_data,
@@ -705,10 +726,11 @@ def _sweep_cell(cell, model_bytes: bytes, ctx: dict) -> dict:
     per_layer, seed = ctx["per_score"][sc], ctx["seed"]
     if ctx["budget"] == "reference":
         plan = plan_pruning(m, structure, per_layer, None, budget="reference",
-                            reference=ctx["reference"][r], seed=seed, score_name=sc)
+                            reference=ctx["reference"][r], seed=seed, score_name=sc,
+                            round_to=ctx.get("round_to"))
     else:
         plan = plan_pruning(m, structure, per_layer, r, budget=ctx["budget"], seed=seed,
-                            score_name=sc)
+                            score_name=sc, round_to=ctx.get("round_to"))
     pruned, record = prune_channels(m, structure, plan.removed)
     p_struct = analyze_structure(pruned, head=structure.head.node_name)
     total = sum(plan.n_channels.values())

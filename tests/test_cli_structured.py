@@ -261,6 +261,42 @@ def test_prune_sweep_recalibrate_bn_is_an_after_curve(tiny, tmp_path):
     assert "after recovery (BN recalibration)" in (tmp_path / "sw" / "report.txt").read_text()
 
 
+def test_round_to_and_the_width_note(tiny, tmp_path, monkeypatch):
+    """Widths off the CPU's channel block get a note naming --round-to; with --round-to
+    every narrowed width is a multiple and the note is gone; the plan records it."""
+    import onnxdiag.emit as emit
+
+    folder, model, data = tiny
+    monkeypatch.setattr(emit, "cpu_conv_block", lambda cpuinfo=None: 8)
+    base = ["prune-channels", model, "--ratio", 0.6, "--score", "magnitude"]
+    plain = run(*base, "-o", tmp_path / "a.onnx", "--out", tmp_path / "ra")
+    assert plain.exit_code == 0, plain.output
+    side = json.loads((tmp_path / "a.onnx.json").read_text())
+    assert any(after % 8 for _, after in side["record"]["widths"].values())
+    assert any("--round-to 8" in n for n in side["notes"])
+    rounded = run(*base, "--round-to", 8, "-o", tmp_path / "b.onnx", "--out", tmp_path / "rb",
+                  "--plan-out", tmp_path / "plan.json")
+    assert rounded.exit_code == 0, rounded.output
+    side = json.loads((tmp_path / "b.onnx.json").read_text())
+    assert side["record"]["widths"] and all(after % 8 == 0 for _, after in
+                                             side["record"]["widths"].values())
+    assert not any("--round-to" in n for n in side["notes"])
+    assert json.loads((tmp_path / "plan.json").read_text())["settings"]["round_to"] == 8
+    assert run("prune-channels", model, "-o", tmp_path / "c.onnx", "--round-to", 0).exit_code == 2
+
+
+def test_prune_sweep_round_to_reaches_every_cell(tiny, tmp_path):
+    folder, model, data = tiny
+    result = run("prune-sweep", model, "--ratios", "0.6", "--scores", "magnitude,random",
+                 "--eval-data", data, "--round-to", 8, "--out", tmp_path / "sw",
+                 "--format", "json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["prune_sweep"]["rows"]
+    # groups of 8 keep 8 (4 kept rounds up), groups of 16 keep 8 (7 rounds up): 2 x 8 removed
+    assert [r["channels_removed"] for r in rows] == [16, 16]
+    assert rows[0]["flops_ratio"] == rows[1]["flops_ratio"]
+
+
 def test_recalibrate_bn_needs_calibration_data(tiny, tmp_path):
     folder, model, data = tiny
     rep = tmp_path / "rep"

@@ -385,6 +385,47 @@ def test_budgets_match_flops_and_respect_caps():
         plan_pruning(model, structure, mags, 0.5, groups=[4])
 
 
+@pytest.mark.parametrize("budget", ["uniform", "global"])
+@pytest.mark.parametrize("multiple", [4, 8])
+def test_round_to_keeps_multiples_and_spares_the_best_scored(budget, multiple):
+    """--round-to N: every narrowed group keeps a multiple of N channels (rounded up, at
+    most the group), only channels the exact plan removed are removed, and those spared
+    are the best-scored of them; FLOPs stay matched across scores under ``uniform``."""
+    model = load_model(corpus.residual_block())
+    structure = analyze_structure(model)
+    mags = magnitude_scores(model, structure)
+    groups = score_groups(structure, mags, [g.group_id for g in structure.groups
+                                            if g.prunable])
+    for ratio in (0.3, 0.6, 0.8):
+        exact = plan_pruning(model, structure, mags, ratio, budget=budget)
+        rounded = plan_pruning(model, structure, mags, ratio, budget=budget,
+                               round_to=multiple)
+        assert rounded.settings["round_to"] == multiple
+        for g, chans in exact.removed.items():
+            n, kept = structure.groups[g].n_channels, rounded.removed.get(g, ())
+            assert (n - len(kept)) % multiple == 0 or len(kept) == 0
+            assert set(kept) <= set(chans) and n - len(kept) >= n - len(chans)
+            spared = set(chans) - set(kept)
+            if spared and kept:
+                assert min(groups[g][c] for c in spared) >= max(groups[g][c] for c in kept)
+    if budget == "uniform":
+        rand = plan_pruning(model, structure, random_scores(structure, 1), 0.6,
+                            round_to=multiple)
+        assert rand.flops_after == plan_pruning(model, structure, mags, 0.6,
+                                                round_to=multiple).flops_after
+    with pytest.raises(OnnxDiagError, match="round_to must be a positive integer"):
+        plan_pruning(model, structure, mags, 0.5, round_to=0)
+
+
+def test_cpu_conv_block_reads_the_cpu_flags():
+    from onnxdiag.emit import cpu_conv_block
+
+    assert cpu_conv_block("processor: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n") == 16
+    assert cpu_conv_block("flags : fpu sse2 avx avx2 fma\n") == 8
+    assert cpu_conv_block("flags : fpu sse2\n") is None
+    assert cpu_conv_block("Features: fp asimd\n") is None  # e.g. ARM: unknown
+
+
 def test_plan_replays_to_identical_bytes(tmp_path):
     source = corpus.depthwise_pointwise().SerializeToString()
     model = load_model(source)
