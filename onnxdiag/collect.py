@@ -16,7 +16,6 @@ its BatchNormalization from being fused; both costs scale with the values expose
 
 from __future__ import annotations
 
-import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -25,7 +24,7 @@ import numpy as np
 from .errors import OnnxDiagError
 from .instrument import expose_channels_last, expose_tensors
 from .probe import head_arrays, resolve_targets
-from .runner import OrtRunner
+from .runner import OrtRunner, single_threaded_blas
 from .stats import Moments, draw_positions
 
 TASK_SAMPLES = ("match", "gap")
@@ -169,7 +168,7 @@ def collect_channel_moments(model, structure, source, *, layers=None, n_position
         return len(t)
 
     n_images = 0
-    with _single_threaded_blas():
+    with single_threaded_blas():
         if not overlap:
             for batch, out in runner.stream(source, fetch, label=label):
                 n_images += fold_batch(batch, out)
@@ -318,19 +317,6 @@ def _input_tap(index, la) -> InputTap:
     bias = index.get_constant(node.input[2]) if len(node.input) > 2 and node.input[2] else None
     return InputTap(op, tuple(la.kernel), weight_matrix(op, w),
                     None if bias is None else np.asarray(bias, np.float64).reshape(-1))
-
-
-def _single_threaded_blas():
-    """Keep BLAS on one thread during the pass (threadpoolctl, when installed).
-
-    The per-batch Gram matrices are small; a multi-threaded BLAS gains little on them
-    and its worker threads busy-wait on the cores ONNX Runtime runs on next.
-    """
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # optional: the pass is correct without it, only slower
-        return contextlib.nullcontext()
-    return threadpool_limits(1, user_api="blas")
 
 
 class StatsRunner(OrtRunner):

@@ -14,7 +14,7 @@ import numpy as np
 from .errors import DataError
 from .instrument import expose_tensors
 from .readouts import ReadoutAccumulator, Readouts, log_softmax, verify_head
-from .runner import OrtRunner
+from .runner import OrtRunner, single_threaded_blas
 
 #: ``--targets auto``: true labels when the probe data has them, else pseudo-labels.
 TARGET_CHOICES = ("auto", "labels", "pseudo", "expected")
@@ -114,14 +114,15 @@ def probe_model(model, structure, probe, *, eval_source=None, targets: str = "au
                              norm=norm, n_params=structure.n_params)
     rel_error = None
     names = [head.features, head.logits]
-    for batch, outputs in runner.stream(probe, names, label=label):
-        Z, U = head_arrays(outputs, head)
-        if rel_error is None:
-            rel_error = verify_head(Z, U, head.weight, head.bias, node_name=head.node_name)
-        acc.update(Z, U, batch.labels if targets == "labels" or probe.has_labels else None)
-    evaluation = None
-    if eval_source is not None:
-        evaluation = evaluate_model(runner, head, eval_source)
+    with single_threaded_blas():  # small per-batch products between ORT runs
+        for batch, outputs in runner.stream(probe, names, label=label):
+            Z, U = head_arrays(outputs, head)
+            if rel_error is None:
+                rel_error = verify_head(Z, U, head.weight, head.bias, node_name=head.node_name)
+            acc.update(Z, U, batch.labels if targets == "labels" or probe.has_labels else None)
+        evaluation = None
+        if eval_source is not None:
+            evaluation = evaluate_model(runner, head, eval_source)
     return ProbeResult(readouts=acc.result(), head_node=head.node_name,
                        head_rel_error=float(rel_error or 0.0), evaluation=evaluation,
                        data=probe.describe())
