@@ -45,9 +45,10 @@ def _finetune_options(f):
                           "widths at the cost of the next multiple of 16 (AVX-512) / 8 "
                           "(AVX2) or slower."),
         click.option("--recalibrate-bn", is_flag=True,
-                     help="Label-free recovery: set every BatchNormalization's running "
-                          "statistics to the pruned model's on --data (before --finetune "
-                          "when both are given)."),
+                     help="Label-free recovery on --data: every BatchNormalization's "
+                          "running statistics re-estimated in the pruned model; convs with "
+                          "BN folded in are re-standardised to the dense statistics of the "
+                          "channels they keep (before --finetune when both are given)."),
         click.option("--finetune", is_flag=True,
                      help="Recover accuracy by fine-tuning the pruned ONNX graph "
                           "(needs the [training] extra in its own environment)."),
