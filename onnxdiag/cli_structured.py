@@ -46,9 +46,10 @@ def _finetune_options(f):
                           "(AVX2) or slower."),
         click.option("--recalibrate-bn", is_flag=True,
                      help="Label-free recovery on --data: every BatchNormalization's "
-                          "running statistics re-estimated in the pruned model; convs with "
-                          "BN folded in are re-standardised to the dense statistics of the "
-                          "channels they keep (before --finetune when both are given)."),
+                          "running statistics re-estimated in the pruned model; convs "
+                          "without BN (folded, or none) are re-standardised to the dense "
+                          "statistics of the channels they keep. Holds the --data samples "
+                          "in memory (use --limit for large sets); runs before --finetune."),
         click.option("--finetune", is_flag=True,
                      help="Recover accuracy by fine-tuning the pruned ONNX graph "
                           "(needs the [training] extra in its own environment)."),

@@ -137,8 +137,7 @@ def collect_channel_moments(model, structure, source, *, layers=None, n_position
     targets, chosen = _check_request(task_samples, targets, source, structure, layers)
     head = structure.head
     taps = choose_taps(model, chosen, tap, task_samples, n_positions)
-    exposed, names = _stats_model(model, chosen, head, taps)
-    fetch = list(names.values())
+    exposed, names, fetch = _stats_model(model, chosen, head, taps)
     if runner is None:
         runner = StatsRunner(exposed, providers=providers)
     elif not set(fetch) <= set(runner.output_names):
@@ -189,7 +188,8 @@ def collect_channel_moments(model, structure, source, *, layers=None, n_position
 
 
 def _stats_model(model, chosen, head, taps: dict) -> tuple:
-    """(model exposing what the pass reads, tensor → exposed output name).
+    """(model exposing what the pass reads, layer tensor → its channels-last output name,
+    the output names to fetch: the head's features and logits, then the layer tensors).
 
     Each analysed conv's output, or for an input tap its input, is exposed channels-last
     (sampled positions are then contiguous C-vectors; on CPU the Transpose rides on the
@@ -203,7 +203,8 @@ def _stats_model(model, chosen, head, taps: dict) -> tuple:
     exposed, last = expose_channels_last(
         expose_tensors(model, [head.features, head.logits]), tensors,
         tag="stats_channels_last")
-    return exposed, {head.features: head.features, head.logits: head.logits, **last}
+    fetch = list(dict.fromkeys([head.features, head.logits, *last.values()]))
+    return exposed, last, fetch
 
 
 def make_stats_runner(model, structure, *, layers=None, providers=None,
@@ -213,7 +214,7 @@ def make_stats_runner(model, structure, *, layers=None, providers=None,
     ``tap``, ``task_samples`` and ``n_positions`` as for the pass that will use it."""
     chosen = find_analysed_layers(structure, layers)
     taps = choose_taps(model, chosen, tap, task_samples, n_positions)
-    exposed, _ = _stats_model(model, chosen, structure.head, taps)
+    exposed, _, _ = _stats_model(model, chosen, structure.head, taps)
     return StatsRunner(exposed, providers=providers, threads=threads)
 
 
@@ -501,6 +502,7 @@ def collect_channel_moments_sharded(model, structure, data, *, executor, labels=
     source = open_data(data, get_input_specs(model), labels=labels, limit=limit, seed=seed,
                        batch_size=batch_size)
     resolved, chosen = _check_request(task_samples, targets, source, structure, layers)
+    choose_taps(model, chosen, tap, task_samples, n_positions)  # its errors, here, once
     bs = source.batch_size
     by_path = not ship and _readable_by_path(data, source)
     if by_path:

@@ -119,6 +119,9 @@ def prune_channels_report(model, *, output, ratio=0.5, score="two_axis", data=No
     folder = _check_out(out, "prune-channels", overwrite, write)
     _check_outputs(output, plan_out, protect, overwrite)
     _check_recovery(recalibrate_bn, data, finetune, train_data)
+    if plan is not None and round_to not in (None, 1):
+        raise OnnxDiagError("--round-to shapes a new plan; a replayed --plan keeps its "
+                            "channels: drop --round-to, or make the plan again with it.")
     m = load_model(model)
     structure = analyze_structure(m, head=head, features=features)
     specs = get_input_specs(m)
@@ -269,8 +272,8 @@ def _width_notes(record, pruned_structure, round_to) -> list[str]:
     return [f"{len(off)} of the {len(record.widths)} narrowed layers keep a width that is "
             f"not a multiple of {block} (e.g. {off[0]}: {record.widths[off[0]][1]}); ONNX "
             f"Runtime's blocked CPU convolutions (block {block} on this CPU) run such widths "
-            f"at the cost of the next multiple or slower: --round-to {block} keeps "
-            "multiples (benchmarks/RESULTS.md, channel alignment)."]
+            f"at the cost of the next multiple or slower: a plan made with --round-to {block} "
+            "keeps multiples (benchmarks/RESULTS.md, channel alignment)."]
 
 
 def _described(**sources) -> dict:
@@ -292,17 +295,27 @@ def _check_recovery(recalibrate_bn: bool, data, finetune: bool, train_data) -> N
         import_training()  # without the training extra: its install hint, before any work
 
 
-def _recalibrate(model, calib, providers, dense=None, structure=None, removed=None) -> tuple:
-    """(model with every BN recalibrated on ``calib``, the record as a dict); given the
-    ``dense`` model, its ``structure`` and the plan's ``removed`` channels, convs without
-    BN (folded) are re-standardised to the dense statistics of the channels they keep."""
+def _recalibrate(model, calib, providers, dense, structure, removed, *, threads=None,
+                 cache: dict | None = None) -> tuple:
+    """(model with every BN recalibrated on ``calib``, the record as a dict); convs without
+    BN are re-standardised to the ``dense`` model's statistics of the channels they keep
+    (``structure`` of the dense model, the plan's ``removed`` channels). ``cache``: a dict
+    kept across calls on the same dense model and data (a sweep's cells), holding the
+    calibration batches and the dense statistics once."""
     from .emit import finalize_model
-    from .sparsity.repair import recalibrate_batchnorm
+    from .sparsity.repair import _collect_batches, conv_output_moments, recalibrate_batchnorm
     from .structured import kept_output_channels
 
-    kept = None if dense is None else kept_output_channels(structure, removed)
-    out, record = recalibrate_batchnorm(model, calib, dense_model=dense, kept_channels=kept,
-                                        providers=providers)
+    cache = {} if cache is None else cache
+    head = structure.head.node_name if structure.head is not None else None
+    if "batches" not in cache:
+        cache["batches"] = _collect_batches(calib, None)
+        cache["dense"] = conv_output_moments(dense, cache["batches"], head=head,
+                                             providers=providers, threads=threads)
+    out, record = recalibrate_batchnorm(
+        model, cache["batches"], dense_model=dense,
+        kept_channels=kept_output_channels(structure, removed), head=head,
+        dense_moments=cache["dense"], providers=providers, threads=threads)
     return finalize_model(out), record.to_dict()
 
 
@@ -744,7 +757,9 @@ def _sweep_cell(cell, model_bytes: bytes, ctx: dict) -> dict:
            "accuracy_before": evaluate_model(runner, p_struct.head, evaluation).accuracy,
            "accuracy_after": None}
     if ctx.get("recalibrate_bn"):
-        pruned = _recalibrate(pruned, calib, ctx["providers"], m, structure, plan.removed)[0]
+        cache = _CELL_CACHE.setdefault((ctx["token"], "recalibration"), {})
+        pruned = _recalibrate(pruned, calib, ctx["providers"], m, structure, plan.removed,
+                              threads=ctx["threads"], cache=cache)[0]
         if not ctx["finetune"]:
             runner = make_head_runner(pruned, p_struct.head, providers=ctx["providers"],
                                       threads=ctx["threads"])

@@ -283,6 +283,10 @@ def test_round_to_and_the_width_note(tiny, tmp_path, monkeypatch):
     assert not any("--round-to" in n for n in side["notes"])
     assert json.loads((tmp_path / "plan.json").read_text())["settings"]["round_to"] == 8
     assert run("prune-channels", model, "-o", tmp_path / "c.onnx", "--round-to", 0).exit_code == 2
+    assert_user_error(run("prune-channels", model, "--plan", tmp_path / "plan.json",
+                          "--round-to", 8, "-o", tmp_path / "d.onnx", "--out", tmp_path / "rd"),
+                      "a replayed --plan keeps its channels", tmp_path / "d.onnx",
+                      out=tmp_path / "rd")
 
 
 def test_prune_sweep_round_to_reaches_every_cell(tiny, tmp_path):

@@ -271,6 +271,37 @@ def test_channels_cli_rejects_an_input_tap_with_gap_samples(tmp_path):
     path = tmp_path / "m.onnx"
     onnx.save(corpus.residual_block(), path)
     np.save(tmp_path / "x.npy", np.zeros((4, 3, 8, 8), np.float32))
-    result = run("channels", path, "--data", tmp_path / "x.npy", "--tap", "input",
-                 "--task-samples", "gap", "--out", tmp_path / "rep")
-    assert_user_error(result, "tap 'output' or 'auto'", out=tmp_path / "rep")
+    for jobs in (1, 2):  # one pass here, or shards on worker processes: the same error
+        result = run("channels", path, "--data", tmp_path / "x.npy", "--tap", "input",
+                     "--task-samples", "gap", "--jobs", jobs, "--out", tmp_path / "rep")
+        assert_user_error(result, "tap 'output' or 'auto'", out=tmp_path / "rep")
+        assert "shards failed" not in result.stderr
+
+
+def _conv_then_conv_head():
+    """c0 (3→8, no activation) feeds a 1×1 conv head directly: c0's output is the head's
+    features tensor."""
+    g = corpus._G(0)
+    h = g.conv(g.conv("x", "c0", 3, 8), "head", 8, corpus.N_CLASSES, k=1)
+    g.node("Flatten", [g.node("GlobalAveragePool", [h], "pool")], "flatten", "logits")
+    return g.model([corpus._image()], [corpus._logits()])
+
+
+@pytest.mark.parametrize("build, layers", [(corpus.residual_block, ["head"]),
+                                           (corpus.conv1x1_before_gap, ["head"]),
+                                           (_conv_then_conv_head, None)])
+def test_a_layer_tensor_that_is_also_a_head_tensor(build, layers):
+    """An analysed layer whose output is the head's features or logits: the pass still
+    reads the head tensors as they are and the layer channels-last (same moments as the
+    features / logits themselves)."""
+    model = model_io.load_model(build())
+    structure = analyze_structure(model)
+    feeds = corpus.random_feeds(model, batch=6, seed=2)
+    source = open_data(feeds, model_io.get_input_specs(model), batch_size=4)
+    stats = collect_channel_moments(model, structure, source, layers=layers, targets="pseudo",
+                                    n_positions=3)
+    name = layers[0] if layers else "c0"
+    lm = stats.layers[name]
+    layer = structure.get_layer(name)
+    assert lm.n_images == 6 and lm.task.n == 6 * min(3, int(np.prod(
+        corpus.run_ort(model, feeds, [layer.output])[layer.output].shape[2:]) or 1))

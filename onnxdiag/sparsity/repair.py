@@ -205,7 +205,8 @@ def _sequential(model, index, batches, convs, dense, bns, cr_kind, with_bn, alph
 
 def recalibrate_batchnorm(model: onnx.ModelProto, calib_source, *, dense_model=None,
                           kept_channels: dict | None = None, alpha_cap: float = 100.0,
-                          n_images: int | None = None, providers=None,
+                          n_images: int | None = None, head: str | None = None,
+                          dense_moments: dict | None = None, providers=None,
                           threads: int | None = None) -> tuple[onnx.ModelProto, RepairRecord]:
     """Label-free recovery of a model whose channels were removed (structured pruning).
 
@@ -219,19 +220,19 @@ def recalibrate_batchnorm(model: onnx.ModelProto, calib_source, *, dense_model=N
     output-channel index of each channel it still has (absent: unchanged width).
     Everything happens in topological order, each measurement with the upstream
     repairs in place (one forward pass in segments). The first ``n_images`` samples (all
-    when None) are held in memory. Returns a copy (``model`` is never modified) and a
-    :class:`RepairRecord` (method "bn", recalibrate "all").
+    when None) are held in memory. ``head``: the head node (never re-standardised; default
+    the detected one). ``dense_moments``: :func:`conv_output_moments` of the dense model on
+    the same samples, when already computed (e.g. once for many pruned variants).
+    Returns a copy (``model`` is never modified) and a :class:`RepairRecord` (method
+    "bn", recalibrate "all").
     """
-    from ..graph import analyze_structure
-
     out = onnx.ModelProto()
     out.CopyFrom(model)
     batches = _collect_batches(calib_source, n_images)
     n = sum(_batch_len(b) for b in batches)
     index = GraphIndex(out)
     bns = [node for node in index.nodes if node.op_type == "BatchNormalization"]
-    folded = [la for la in analyze_structure(out, require_head=False).layers
-              if la.op_type == "Conv" and not la.is_head and la.bn_node is None]
+    folded = _convs_without_bn(out, head)
     notes = []
     if folded and dense_model is None:
         notes.append(f"{len(folded)} conv(s) without BatchNormalization left as they are "
@@ -244,14 +245,12 @@ def recalibrate_batchnorm(model: onnx.ModelProto, calib_source, *, dense_model=N
                                  {"dense": 0, "sequential": 0, "segments": 0}, tuple(notes))
     dense = {}
     if folded:
-        dense_layers = {la.node_name: la
-                        for la in analyze_structure(dense_model, require_head=False).layers}
-        missing = [la.node_name for la in folded if la.node_name not in dense_layers]
+        full = dense_moments if dense_moments is not None else conv_output_moments(
+            dense_model, batches, head=head, providers=providers, threads=threads)
+        missing = [la.node_name for la in folded if la.node_name not in full]
         if missing:
-            raise OnnxDiagError(f"Conv {missing[0]!r} is not in the dense model; pass the "
-                                "model this one was pruned from.")
-        full = _dense_moments(dense_model, [dense_layers[la.node_name] for la in folded],
-                              batches, providers, threads)
+            raise OnnxDiagError(f"Conv {missing[0]!r} is not a conv without BN in the dense "
+                                "model; pass the model this one was pruned from.")
         kept_channels = kept_channels or {}
         for la in folded:
             keep = kept_channels.get(la.node_name, range(la.n_out))
@@ -264,6 +263,22 @@ def recalibrate_batchnorm(model: onnx.ModelProto, calib_source, *, dense_model=N
     return out, RepairRecord("bn", alpha_cap, "all", n, done_layers, done_bns,
                              {"dense": int(bool(folded)), "sequential": 1,
                               "segments": segments}, tuple(notes))
+
+
+def conv_output_moments(model: onnx.ModelProto, batches: list[dict], *, head: str | None = None,
+                        providers=None, threads: int | None = None) -> dict[str, Moments]:
+    """Per-channel output moments of every non-head Conv without a BatchNormalization of
+    ``model`` over ``batches`` (feed dicts), by node name: the dense statistics that
+    :func:`recalibrate_batchnorm` re-standardises pruned convs to."""
+    return _dense_moments(model, _convs_without_bn(model, head), batches, providers, threads)
+
+
+def _convs_without_bn(model: onnx.ModelProto, head: str | None) -> list:
+    from ..graph import analyze_structure
+
+    structure = analyze_structure(model, head=head, require_head=head is not None)
+    return [la for la in structure.layers
+            if la.op_type == "Conv" and not la.is_head and la.bn_node is None]
 
 
 def _collect_batches(source, n_images: int | None) -> list[dict]:
