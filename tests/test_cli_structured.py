@@ -348,3 +348,25 @@ def test_prune_sweep_finetune_reports_accuracy_after_recovery(training, tiny, tm
     assert all(0 <= r["accuracy_after"] <= 1 for r in sweep["rows"])
     assert all(v["after"] is not None for v in sweep["auc"].values())
     assert 0 <= sweep["dense_accuracy_after_recovery"] <= 1  # the after-curve's reference
+
+
+def test_prune_channels_recalibrate_then_finetune(training, tiny, tmp_path):
+    """Both recoveries: BN recalibration first, then fine-tuning from the recalibrated
+    model (its first step's loss is the recalibrated model's loss, not the pruned one's)."""
+    folder, model, data = tiny
+    out = tmp_path / "both.onnx"
+    result = run("prune-channels", model, "--ratio", 0.5, "--score", "magnitude", "--data", data,
+                 "--eval-data", data, "--recalibrate-bn", "--finetune", "--train-data", data,
+                 "--epochs", 1, "--max-batches", 2, "--lr", 1e-3, "-o", out,
+                 "--out", tmp_path / "rep")
+    assert result.exit_code == 0, result.output
+    side = json.loads((tmp_path / "both.onnx.json").read_text())
+    assert side["recalibration"]["bns"] and side["finetune"]["steps"] == 2
+    only = run("prune-channels", model, "--ratio", 0.5, "--score", "magnitude", "--data", data,
+               "--eval-data", data, "--recalibrate-bn", "-o", tmp_path / "bn.onnx",
+               "--out", tmp_path / "rep_bn")
+    assert only.exit_code == 0, only.output
+    recalibrated = json.loads((tmp_path / "bn.onnx.json").read_text())["accuracy_after"]
+    assert side["finetune"]["accuracy_before"] == pytest.approx(recalibrated["accuracy"])
+    text = (tmp_path / "rep" / "report.txt").read_text()
+    assert "after BN recalibration + fine-tuning" in text
