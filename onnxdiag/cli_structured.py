@@ -39,11 +39,11 @@ def _head_options(f):
 
 def _finetune_options(f):
     for opt in reversed([
-        click.option("--round-to", type=click.IntRange(min=1), default=None, metavar="N",
+        click.option("--round-to", default=None, metavar="N|auto",
                      help="Keep a multiple of N channels in every narrowed group (kept "
                           "count rounded up): ONNX Runtime's blocked CPU convs run other "
                           "widths at the cost of the next multiple of 16 (AVX-512) / 8 "
-                          "(AVX2) or slower."),
+                          "(AVX2) or slower; auto = this CPU's block."),
         click.option("--recalibrate-bn", is_flag=True,
                      help="Label-free recovery on --data: every BatchNormalization's "
                           "running statistics re-estimated in the pruned model; convs "

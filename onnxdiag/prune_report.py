@@ -122,6 +122,7 @@ def prune_channels_report(model, *, output, ratio=0.5, score="two_axis", data=No
     if plan is not None and round_to not in (None, 1):
         raise OnnxDiagError("--round-to shapes a new plan; a replayed --plan keeps its "
                             "channels: drop --round-to, or make the plan again with it.")
+    round_to = resolve_round_to(round_to)
     m = load_model(model)
     structure = analyze_structure(m, head=head, features=features)
     specs = get_input_specs(m)
@@ -255,6 +256,25 @@ class _Feeds(dict):
         if isinstance(key, slice):
             return _Feeds({k: v[key] for k, v in self.items()})
         return super().__getitem__(key)
+
+
+def resolve_round_to(round_to) -> int | None:
+    """``round_to`` as an int ≥ 1 or None; "auto" = this CPU's ONNX Runtime channel block
+    (16 with AVX-512F, 8 with AVX2; None when unknown)."""
+    if round_to is None:
+        return None
+    if isinstance(round_to, str) and round_to.strip().lower() == "auto":
+        from .emit import cpu_conv_block
+
+        return cpu_conv_block()
+    try:
+        value = int(round_to)
+    except (TypeError, ValueError):
+        value = 0
+    if value < 1 or (isinstance(round_to, float) and round_to != value):
+        raise OnnxDiagError(f"--round-to must be a positive integer or 'auto'; got "
+                            f"{round_to!r}.")
+    return value
 
 
 def _width_notes(record, pruned_structure, round_to) -> list[str]:
@@ -469,6 +489,7 @@ def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES
                             + " need calibration data for the channel statistics; pass "
                             "--data FILE (or drop them from --scores).")
     _check_recovery(recalibrate_bn, data, finetune, train_data)
+    round_to = resolve_round_to(round_to)
     folder = _check_out(out, "prune-sweep", overwrite, write)
     m = load_model(model)
     structure = analyze_structure(m, head=head, features=features)

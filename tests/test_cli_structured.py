@@ -282,7 +282,16 @@ def test_round_to_and_the_width_note(tiny, tmp_path, monkeypatch):
                                              side["record"]["widths"].values())
     assert not any("--round-to" in n for n in side["notes"])
     assert json.loads((tmp_path / "plan.json").read_text())["settings"]["round_to"] == 8
-    assert run("prune-channels", model, "-o", tmp_path / "c.onnx", "--round-to", 0).exit_code == 2
+    for bad in ("0", "eight"):
+        assert_user_error(run("prune-channels", model, "-o", tmp_path / "c.onnx", "--round-to",
+                              bad, "--out", tmp_path / "rc"),
+                          "--round-to must be a positive integer or 'auto'", tmp_path / "c.onnx",
+                          out=tmp_path / "rc")
+    auto = run(*base, "--round-to", "auto", "-o", tmp_path / "e.onnx", "--out", tmp_path / "re")
+    assert auto.exit_code == 0, auto.output
+    side = json.loads((tmp_path / "e.onnx.json").read_text())
+    assert side["plan"]["settings"]["round_to"] == 8  # this (patched) CPU's block
+    assert all(after % 8 == 0 for _, after in side["record"]["widths"].values())
     assert_user_error(run("prune-channels", model, "--plan", tmp_path / "plan.json",
                           "--round-to", 8, "-o", tmp_path / "d.onnx", "--out", tmp_path / "rd"),
                       "a replayed --plan keeps its channels", tmp_path / "d.onnx",
