@@ -267,14 +267,10 @@ def resolve_round_to(round_to) -> int | None:
         from .emit import cpu_conv_block
 
         return cpu_conv_block()
-    try:
-        value = int(round_to)
-    except (TypeError, ValueError):
-        value = 0
-    if value < 1 or (isinstance(round_to, float) and round_to != value):
-        raise OnnxDiagError(f"--round-to must be a positive integer or 'auto'; got "
-                            f"{round_to!r}.")
-    return value
+    from .sparsity.repairability import positive_int
+
+    return positive_int(round_to, f"--round-to must be a positive integer or 'auto'; got "
+                                  f"{round_to!r}.")
 
 
 def _width_notes(record, pruned_structure, round_to) -> list[str]:

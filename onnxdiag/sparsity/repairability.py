@@ -282,14 +282,20 @@ def parse_positions(positions) -> int | None:
     """``positions`` as an int ≥ 1, or None for every position (None or "all")."""
     if positions is None or (isinstance(positions, str) and positions.strip().lower() == "all"):
         return None
+    return positive_int(positions, f"RR positions must be a positive integer or 'all'; got "
+                                   f"{positions!r}.")
+
+
+def positive_int(value, message: str) -> int:
+    """``value`` (an int, an integral float or a numeric string) as an int ≥ 1; otherwise
+    OnnxDiagError(``message``)."""
     try:
-        value = int(positions)
+        number = int(value)
     except (TypeError, ValueError):
-        value = 0
-    if value < 1 or (isinstance(positions, float) and positions != value):
-        raise OnnxDiagError(f"RR positions must be a positive integer or 'all'; got "
-                            f"{positions!r}.")
-    return value
+        number = 0
+    if number < 1 or (isinstance(value, float) and value != number):
+        raise OnnxDiagError(message)
+    return number
 
 
 STRATEGIES = ("auto", "incremental", "gram")

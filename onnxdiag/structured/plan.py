@@ -127,8 +127,11 @@ def plan_pruning(model: onnx.ModelProto, structure: Structure, scores: Mapping,
     """
     counts = _reference_counts(structure, reference) if budget == "reference" else None
     _check_args(budget, ratio, counts)
-    if round_to is not None and (int(round_to) != round_to or round_to < 1):
-        raise OnnxDiagError(f"round_to must be a positive integer; got {round_to!r}.")
+    if round_to is not None:
+        from ..sparsity.repairability import positive_int
+
+        round_to = positive_int(round_to, f"round_to must be a positive integer; got "
+                                          f"{round_to!r}.")
     considered = list(counts) if counts is not None else _considered(structure, groups)
     group_scores = score_groups(structure, scores, considered)
     rng = np.random.default_rng(seed)
@@ -141,8 +144,8 @@ def plan_pruning(model: onnx.ModelProto, structure: Structure, scores: Mapping,
             {g: math.floor(ratio * n + _EPS) for g, n in sizes.items()}
         removed = {g: _lowest(group_scores[g], min(want.get(g, 0), limits[g]), rng)
                    for g in considered}
-    if round_to and round_to > 1:
-        removed = {g: _round_kept(chs, sizes[g], int(round_to), group_scores[g])
+    if round_to is not None and round_to > 1:
+        removed = {g: _round_kept(chs, sizes[g], round_to, group_scores[g])
                    for g, chs in removed.items()}
     _, record = prune_channels(model, structure, removed)
     return Plan(
@@ -153,7 +156,7 @@ def plan_pruning(model: onnx.ModelProto, structure: Structure, scores: Mapping,
         flops_before=record.flops_before, flops_after=record.flops_after,
         settings={"seed": seed, "caps": jsonable(caps), "groups": sorted(considered),
                   "reference": None if counts is None else jsonable(counts),
-                  "round_to": None if not round_to or round_to == 1 else int(round_to)})
+                  "round_to": None if round_to in (None, 1) else round_to})
 
 
 def replay_plan(model: onnx.ModelProto, plan: Plan) -> tuple[onnx.ModelProto, PruneRecord]:
