@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from study_common import emit, load_runs, missing_runs, preamble, table  # noqa: E402
+from study_common import emit, load_runs, schedule_runs, study_start, table  # noqa: E402
 
 SCORES = ("magnitude", "bn_scale", "random", "ix", "peer", "two_axis", "relevance")
 
@@ -39,15 +39,10 @@ def main(argv=None) -> int:
     p.add_argument("--no-prune-sweep", action="store_true")
     p.add_argument("--out", type=Path, default=None, help="also write the Markdown here")
     a = p.parse_args(argv)
-    runs = {n: m for n, m in load_runs(a.zoo).items()
-            if m["schedule"] == a.schedule and m["seed"] == 0}
-    if not runs:
-        raise SystemExit(f"error: no complete {a.schedule} run in {a.zoo}")
-    cmd = "python tools/study_channels.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    parts = [preamble("Channel axes: alignment, clusterings, structured pruning", cmd, a.zoo)]
-    missing = [n for n in missing_runs(a.zoo, load_runs(a.zoo)) if a.schedule in n]
-    if missing:
-        parts.append(f"NOT included (not finished when this ran): {', '.join(missing)}")
+    complete = load_runs(a.zoo)
+    runs = schedule_runs(a.zoo, complete, a.schedule)
+    parts = study_start("study_channels.py", "Channel axes: alignment, clusterings, structured "
+                        "pruning", a.zoo, argv, complete, only=a.schedule)
     calib, evl = str(a.zoo / "calib.npz"), str(a.zoo / "eval.npz")
 
     rows, prune_rows = [], []

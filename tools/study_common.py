@@ -64,6 +64,29 @@ def preamble(title: str, command: str, zoo: Path) -> str:
             f"{_cores()} CPU cores; onnxdiag {_version()}\n")
 
 
+def schedule_runs(zoo: Path, runs: dict, schedule: str, archs: str | None = None) -> dict:
+    """The seed-0 runs of ``schedule`` among ``runs`` (optionally only the comma-separated
+    ``archs``); exits with a one-line error when there is none."""
+    chosen = {n: m for n, m in runs.items() if m["schedule"] == schedule and m["seed"] == 0
+              and (not archs or m["arch"] in archs.split(","))}
+    if not chosen:
+        raise SystemExit(f"error: no complete {schedule} run in {zoo}")
+    return chosen
+
+
+def study_start(script: str, title: str, zoo: Path, argv, complete: dict,
+                only: str | None = None) -> list[str]:
+    """The opening parts of a study: its preamble with the command that reproduces it, and
+    a note naming the zoo's unfinished runs (``complete``: load_runs(zoo); ``only``: a
+    substring the names of the runs that matter contain)."""
+    cmd = f"python tools/{script} " + " ".join(sys.argv[1:] if argv is None else argv)
+    parts = [preamble(title, cmd, zoo)]
+    missing = [n for n in missing_runs(zoo, complete) if only is None or only in n]
+    if missing:
+        parts.append(f"NOT included (not finished when this ran): {', '.join(missing)}")
+    return parts
+
+
 def emit(parts: list[str], out: Path | None) -> int:
     """Print the study's sections (and write them to ``out`` when given); exit status 0."""
     text = "\n\n".join(parts) + "\n"

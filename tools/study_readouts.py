@@ -29,8 +29,7 @@ from study_common import (  # noqa: E402
     ckpt_paths,
     emit,
     load_runs,
-    missing_runs,
-    preamble,
+    study_start,
     table,
 )
 
@@ -148,11 +147,8 @@ def main(argv=None) -> int:
     runs = load_runs(a.zoo, a.runs.split(",") if a.runs else None)
     if not runs:
         raise SystemExit(f"error: no complete run in {a.zoo}; train with tools/train_zoo.py")
-    cmd = "python tools/study_readouts.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    parts = [preamble("Readouts: correlation with accuracy, selection, screening", cmd, a.zoo)]
-    missing = missing_runs(a.zoo, runs)
-    if missing:
-        parts.append(f"NOT included (not finished when this ran): {', '.join(missing)}")
+    parts = study_start("study_readouts.py", "Readouts: correlation with accuracy, selection, "
+                        "screening", a.zoo, argv, runs)
     parts.append("runs: " + "; ".join(
         f"{n} ({m['arch']}, {m['schedule']}, seed {m['seed']}, {m['n_parameters']:,} params, "
         f"{len(ckpt_paths(m))} ckpts)" for n, m in runs.items()))

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from study_common import emit, load_runs, missing_runs, preamble, table  # noqa: E402
+from study_common import emit, load_runs, schedule_runs, study_start, table  # noqa: E402
 
 ALLOCS = ("global", "uniform", "erk", "lamp", "rr")
 
@@ -80,16 +80,10 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=None, help="calibration images (agreement)")
     p.add_argument("--out", type=Path, default=None, help="also write the Markdown here")
     a = p.parse_args(argv)
-    runs = {n: m for n, m in load_runs(a.zoo).items()
-            if m["schedule"] == a.schedule and m["seed"] == 0
-            and (not a.archs or m["arch"] in a.archs.split(","))}
-    if not runs:
-        raise SystemExit(f"error: no complete {a.schedule} run in {a.zoo}")
-    cmd = "python tools/study_repair.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    parts = [preamble("Repairability: sparsity sweep, five allocations, CR+BN", cmd, a.zoo)]
-    missing = [n for n in missing_runs(a.zoo, load_runs(a.zoo)) if a.schedule in n]
-    if missing:
-        parts.append(f"NOT included (not finished when this ran): {', '.join(missing)}")
+    complete = load_runs(a.zoo)
+    runs = schedule_runs(a.zoo, complete, a.schedule, a.archs)
+    parts = study_start("study_repair.py", "Repairability: sparsity sweep, five allocations, "
+                        "CR+BN", a.zoo, argv, complete, only=a.schedule)
     calib, evl = str(a.zoo / "calib.npz"), str(a.zoo / "eval.npz")
 
     band_rows = []
