@@ -114,8 +114,9 @@ def corrupt_labels(labels: np.ndarray, fraction: float, seed: int) -> np.ndarray
 
 # -------------------------------------------------------------------------------------------- model
 
-def build_model(widths: tuple[int, int]):
-    """The residual CNN described by ARCHITECTURE; input (N, 1, 28, 28) in [0, 1], logits out."""
+def basic_block():
+    """The ResNet basic block class (conv-BN-ReLU, conv-BN, + identity or a 1×1 projection
+    shortcut with BN, ReLU), shared with tools/train_zoo.py; torch is imported here."""
     import torch
     from torch import nn
 
@@ -136,6 +137,16 @@ def build_model(widths: tuple[int, int]):
             y = self.bn2(self.conv2(y))
             s = x if self.shortcut is None else self.shortcut(x)
             return torch.relu(y + s)
+
+    return BasicBlock
+
+
+def build_model(widths: tuple[int, int]):
+    """The residual CNN described by ARCHITECTURE; input (N, 1, 28, 28) in [0, 1], logits out."""
+    import torch
+    from torch import nn
+
+    BasicBlock = basic_block()
 
     class SampleNet(nn.Module):
         def __init__(self):

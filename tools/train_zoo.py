@@ -137,22 +137,7 @@ def build(arch: str, widths: dict):
             layers.append(act())
         return nn.Sequential(*layers)
 
-    class BasicBlock(nn.Module):
-        def __init__(self, c_in, c_out, stride):
-            super().__init__()
-            self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
-            self.bn1 = nn.BatchNorm2d(c_out)
-            self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
-            self.bn2 = nn.BatchNorm2d(c_out)
-            self.shortcut = None
-            if stride != 1 or c_in != c_out:
-                self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, 0, bias=False),
-                                              nn.BatchNorm2d(c_out))
-
-        def forward(self, x):
-            y = torch.relu(self.bn1(self.conv1(x)))
-            y = self.bn2(self.conv2(y))
-            return torch.relu(y + (x if self.shortcut is None else self.shortcut(x)))
+    BasicBlock = ms.basic_block()
 
     class InvertedResidual(nn.Module):
         def __init__(self, c_in, c_out, stride, t):
