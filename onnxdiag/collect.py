@@ -153,13 +153,14 @@ def collect_channel_moments(model, structure, source, *, layers=None, n_position
         _, U = head_arrays(out, head)
         t = target_margin(U, batch.labels if targets == "labels" else None)
         t_null = _shuffle(t, seed, batch.indices)
+        both = np.column_stack([t, t_null])
         positions: dict[int, tuple] = {}
         for la in chosen:
             conv = taps[la.node_name]
             if isinstance(conv, InputTap):
                 samples = conv.samples(out[names[la.input]], batch.indices, n_positions, seed)
-                _fold_rows(acc[la.node_name].task, samples, np.column_stack([t, t_null]),
-                           samples.shape[0] // len(t), buffers)
+                _fold_rows(acc[la.node_name].task, samples, both, samples.shape[0] // len(t),
+                           buffers)
                 acc[la.node_name].n_images += len(t)
             else:
                 _fold(acc[la.node_name], out[names[la.output]], t, t_null, batch.indices,
