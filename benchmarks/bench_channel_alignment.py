@@ -47,7 +47,7 @@ def conv_stack(c: int, hw: int = 14, depth: int = 4):
 
 
 def width_sweep(widths, repeats: int) -> list[tuple[int, float]]:
-    from onnxdiag.runner import OrtRunner
+    from onnxdiag.runtime.runner import OrtRunner
 
     rows = []
     for c in widths:
@@ -65,9 +65,10 @@ def width_sweep(widths, repeats: int) -> list[tuple[int, float]]:
 
 
 def pruned_latency(model_path: str, ratios, repeats: int) -> list[dict]:
-    from onnxdiag.emit import finalize_model, measure_latency
     from onnxdiag.graph import analyze_structure
-    from onnxdiag.model_io import get_input_specs, load_model
+    from onnxdiag.model.finalize import finalize_model
+    from onnxdiag.model.io import get_input_specs, load_model
+    from onnxdiag.runtime.latency import measure_latency
     from onnxdiag.structured import magnitude_scores, plan_pruning, prune_channels
 
     model = load_model(model_path)
@@ -102,7 +103,7 @@ def main() -> None:
     ap.add_argument("--widths", default="32,34,36,40,44,45,47,48,52,56,60,62,63,64")
     ap.add_argument("--repeats", type=int, default=50)
     args = ap.parse_args()
-    from onnxdiag.emit import cpu_conv_block
+    from onnxdiag.runtime.latency import cpu_conv_block
 
     print(f"machine: {platform.machine()}, {__import__('os').cpu_count()} cores; ORT channel "
           f"block on this CPU: {cpu_conv_block()}")

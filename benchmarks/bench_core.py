@@ -73,18 +73,19 @@ def best_of_interleaved(fns: dict, repeat: int) -> dict:
 
 
 def run_variants(model_path: str, n: int, batch_size: int, repeat: int) -> dict:
-    from onnxdiag.collect import (
+    from onnxdiag.channels.collect import (
         StatsRunner,
         collect_channel_moments,
         find_analysed_layers,
         make_stats_runner,
     )
-    from onnxdiag.data import open_data
+    from onnxdiag.data.source import open_data
+    from onnxdiag.evaluate import make_head_runner
     from onnxdiag.graph import analyze_structure
-    from onnxdiag.instrument import expose_tensors
-    from onnxdiag.model_io import get_input_specs, load_model
-    from onnxdiag.probe import make_head_runner, probe_model
-    from onnxdiag.runner import OrtRunner
+    from onnxdiag.model.expose import expose_tensors
+    from onnxdiag.model.io import get_input_specs, load_model
+    from onnxdiag.runtime.runner import OrtRunner
+    from onnxdiag.selection.probe import probe_model
 
     model = load_model(model_path)
     structure = analyze_structure(model)
@@ -159,10 +160,10 @@ def peak_memory_mb(model_path: str, n: int, batch_size: int) -> float:
 
 def memory_child(model_path: str, n: int, batch_size: int) -> None:
     """Run in a fresh process: the pass once (warm-up), then measured; print KiB numbers."""
-    from onnxdiag.collect import collect_channel_moments
-    from onnxdiag.data import open_data
+    from onnxdiag.channels.collect import collect_channel_moments
+    from onnxdiag.data.source import open_data
     from onnxdiag.graph import analyze_structure
-    from onnxdiag.model_io import get_input_specs, load_model
+    from onnxdiag.model.io import get_input_specs, load_model
 
     model = load_model(model_path)
     structure = analyze_structure(model)

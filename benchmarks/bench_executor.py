@@ -36,8 +36,8 @@ def main(argv=None) -> int:
 
     import ray
 
-    from onnxdiag.analysis import select_report
-    from onnxdiag.executor import LocalExecutor, RayExecutor
+    from onnxdiag.commands.select import select_report
+    from onnxdiag.runtime.executor import LocalExecutor, RayExecutor
 
     common = dict(data=str(SAMPLE / "calib.npz"), eval_data=str(SAMPLE / "eval.npz"),
                   write=False, progress=False)
@@ -91,10 +91,10 @@ def channels_rows(args, ray_executor, LocalExecutor):
     """Best-of-``repeat`` times of the statistics pass: single, local shards, Ray shards."""
     import numpy as np
 
-    from onnxdiag.collect import collect_channel_moments, collect_channel_moments_sharded
-    from onnxdiag.data import open_data
+    from onnxdiag.channels.collect import collect_channel_moments, collect_channel_moments_sharded
+    from onnxdiag.data.source import open_data
     from onnxdiag.graph import analyze_structure
-    from onnxdiag.model_io import get_input_specs, load_model
+    from onnxdiag.model.io import get_input_specs, load_model
 
     calib = str(SAMPLE / "calib.npz")
     n = args.channels_n

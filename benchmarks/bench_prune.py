@@ -30,11 +30,11 @@ from bench_core import load_fashion_mnist_test  # noqa: E402
 
 
 def prune(model_path: str, ratio: float, score: str):
-    from onnxdiag.emit import finalize_model
     from onnxdiag.graph import analyze_structure
-    from onnxdiag.model_io import load_model
-    from onnxdiag.prune_report import layer_scores
+    from onnxdiag.model.finalize import finalize_model
+    from onnxdiag.model.io import load_model
     from onnxdiag.structured import plan_pruning, prune_channels
+    from onnxdiag.structured.choice import layer_scores
 
     model = load_model(model_path)
     structure = analyze_structure(model)
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
 
     import onnxruntime as ort
 
-    from onnxdiag.model_io import save_model
+    from onnxdiag.model.io import save_model
 
     dense, pruned, plan, record = prune(args.model, args.ratio, args.score)
     with tempfile.TemporaryDirectory() as tmp:

@@ -86,12 +86,13 @@ def main() -> None:
     import onnxruntime as ort
     import torch
 
-    from onnxdiag.analysis import readouts_report
-    from onnxdiag.data import open_data
+    from onnxdiag.commands.analyze import readouts_report
+    from onnxdiag.data.source import open_data
+    from onnxdiag.evaluate import make_head_runner
     from onnxdiag.graph import analyze_structure
-    from onnxdiag.model_io import get_input_specs, load_model
-    from onnxdiag.probe import make_head_runner, probe_model
-    from onnxdiag.runner import OrtRunner
+    from onnxdiag.model.io import get_input_specs, load_model
+    from onnxdiag.runtime.runner import OrtRunner
+    from onnxdiag.selection.probe import probe_model
 
     sample = Path(args.sample)
     x, y = load_fashion_mnist_test(args.n)

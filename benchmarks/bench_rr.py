@@ -44,8 +44,8 @@ def best_of(fn, repeat: int) -> float:
 
 def naive_curves(model, layers, feeds, grid) -> np.ndarray:
     """RR (L, G) by pruning one layer at one level and running the whole network."""
-    from onnxdiag.instrument import expose_tensors
-    from onnxdiag.runner import OrtRunner
+    from onnxdiag.model.expose import expose_tensors
+    from onnxdiag.runtime.runner import OrtRunner
     from onnxdiag.sparsity import magnitude_mask, read_weights
     from onnxdiag.sparsity.masks import apply_masks
     from onnxdiag.sparsity.repair import channel_rows
@@ -81,10 +81,10 @@ def main(argv=None) -> int:
                     help="IMAGES:POSITIONS lists timed against exact (or 'none')")
     args = ap.parse_args(argv)
 
+    from onnxdiag.commands.pruning import DEFAULTS
     from onnxdiag.graph import analyze_structure
-    from onnxdiag.model_io import load_model
-    from onnxdiag.runner import OrtRunner
-    from onnxdiag.sparse_report import DEFAULTS
+    from onnxdiag.model.io import load_model
+    from onnxdiag.runtime.runner import OrtRunner
     from onnxdiag.sparsity import compute_rr_curves, find_prunable
     from onnxdiag.sparsity.repairability import DEFAULT_POSITIONS
 

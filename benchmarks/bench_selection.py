@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from onnxdiag.analysis import select_report
-from onnxdiag.selection import correlate_series
+from onnxdiag.commands.select import select_report
+from onnxdiag.selection.series import correlate_series
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "models" / "sample"

@@ -1,7 +1,7 @@
 """onnxdiag: diagnose, prune and repair trained ONNX classifiers.
 
 The public API mirrors the CLI verbs: each returns a result record
-(:class:`onnxdiag.analysis.CommandResult` with ``.report`` (the JSON dict), ``.summary``,
+(:class:`onnxdiag.commands.base.CommandResult` with ``.report`` (the JSON dict), ``.summary``,
 ``.text``, ``.csv`` and ``.folder``); pass ``write=False`` to skip the report folder.
 
 ==========================  ===========================
@@ -27,17 +27,17 @@ __version__ = "0.1.0"
 
 #: public name -> module that defines it (imported on first use).
 _VERBS = {
-    "analyze": "analysis",
-    "inspect_model": "analysis",
-    "readouts_report": "analysis",
-    "select_report": "analysis",
-    "channels_report": "channel_report",
-    "lesion_report": "channel_report",
-    "prune_channels_report": "prune_report",
-    "prune_sweep_report": "prune_report",
-    "rr_report": "sparse_report",
-    "prune_report_sparse": "sparse_report",
-    "sweep_report": "sparse_report",
+    "analyze": "commands.analyze",
+    "inspect_model": "commands.analyze",
+    "readouts_report": "commands.analyze",
+    "select_report": "commands.select",
+    "channels_report": "commands.channels",
+    "lesion_report": "commands.lesion",
+    "prune_channels_report": "commands.prune_channels",
+    "prune_sweep_report": "commands.prune_sweep",
+    "rr_report": "commands.rr",
+    "prune_report_sparse": "commands.prune",
+    "sweep_report": "commands.sweep",
 }
 
 #: CLI command -> the Python function it calls.

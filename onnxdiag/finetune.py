@@ -32,7 +32,7 @@ from onnx import helper, numpy_helper
 
 from .errors import DataError, MissingExtraError, OnnxDiagError
 from .graph import GraphIndex, analyze_structure
-from .model_io import ensure_writable_dir, load_model
+from .model.io import ensure_writable_dir, load_model
 
 INSTALL_HINT = (
     "Fine-tuning needs onnxruntime-training, which replaces the onnxruntime package, so "
@@ -377,7 +377,7 @@ def _train(folder, source, n_classes, schedule, outputs, device, show_progress, 
     epochs, max_batches, lr = schedule
     from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
-    from .data import progress
+    from .runtime.progress import progress
 
     state = CheckpointState.load_checkpoint(str(folder / "checkpoint"))
     module = Module(str(folder / "training_model.onnx"), state,
@@ -438,7 +438,7 @@ def _splice(model: onnx.ModelProto, export: onnx.ModelProto, names) -> onnx.Mode
 
 def _compare(export: onnx.ModelProto, tuned: onnx.ModelProto, feeds: dict) -> float:
     """Max |difference| of every output of ORT's export and ``tuned`` in plain ORT."""
-    from .runner import OrtRunner, compare_outputs
+    from .runtime.runner import OrtRunner, compare_outputs
 
     names = [o.name for o in tuned.graph.output]
     a = OrtRunner(export, providers="cpu").run(feeds, names)
@@ -449,6 +449,6 @@ def _compare(export: onnx.ModelProto, tuned: onnx.ModelProto, feeds: dict) -> fl
 def _evaluate(model, head, source, providers):
     if source is None:
         return None
-    from .probe import evaluate_model, make_head_runner
+    from .evaluate import evaluate_model, make_head_runner
 
     return evaluate_model(make_head_runner(model, head, providers=providers), head, source)

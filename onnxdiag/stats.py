@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from onnxdiag.errors import DataError
+from .errors import DataError
 
 __all__ = [
     "JointMoments",

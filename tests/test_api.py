@@ -32,7 +32,7 @@ def test_import_is_cheap_and_does_not_load_onnxruntime():
 
 
 def test_readme_example_runs_on_the_sample():
-    from onnxdiag.sample import get_sample
+    from onnxdiag.data.sample import get_sample
 
     s = get_sample()
     result = onnxdiag.analyze(str(s.model), data=str(s.calibration), limit=64, write=False)

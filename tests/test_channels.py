@@ -9,21 +9,21 @@ import math
 import numpy as np
 import pytest
 
-from onnxdiag.channels import (
-    ChannelScores,
-    pair_task_information,
-    peer_regression,
-    permutation_floor,
-    score_layer,
-    score_moments,
-)
-from onnxdiag.clustering import (
+from onnxdiag.channels.clustering import (
     adjusted_rand_index,
     axis_alignment,
     cluster_axes,
     damage_test,
     fit_kmeans,
     summarize_layers,
+)
+from onnxdiag.channels.scores import (
+    ChannelScores,
+    pair_task_information,
+    peer_regression,
+    permutation_floor,
+    score_layer,
+    score_moments,
 )
 from onnxdiag.errors import DataError
 from onnxdiag.stats import JointMoments

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from cli_helpers import assert_user_error, run
 
-from onnxdiag.sample import get_sample
+from onnxdiag.data.sample import get_sample
 
 SAMPLE = get_sample()
 

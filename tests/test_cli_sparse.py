@@ -11,9 +11,9 @@ import pytest
 from cli_helpers import assert_user_error, run
 from corpus import residual_block
 
-from onnxdiag import cli_sparse
-from onnxdiag.model_io import file_hash
-from onnxdiag.sample import get_sample
+from onnxdiag.cli import sparse as cli_sparse
+from onnxdiag.data.sample import get_sample
+from onnxdiag.model.io import file_hash
 from onnxdiag.sparsity import METHODS, RULES
 
 SAMPLE = get_sample()

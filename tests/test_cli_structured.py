@@ -17,9 +17,9 @@ import onnx
 import pytest
 from cli_helpers import assert_user_error, run
 
-import onnxdiag.prune_report as prune_report
-from onnxdiag.model_io import save_model
-from onnxdiag.prune_report import normalized_auc
+import onnxdiag.commands.prune_sweep as prune_report
+from onnxdiag.commands.prune_sweep import normalized_auc
+from onnxdiag.model.io import save_model
 
 
 @pytest.fixture(scope="module")
@@ -264,7 +264,7 @@ def test_prune_sweep_recalibrate_bn_is_an_after_curve(tiny, tmp_path):
 def test_round_to_and_the_width_note(tiny, tmp_path, monkeypatch):
     """Widths off the CPU's channel block get a note naming --round-to; with --round-to
     every narrowed width is a multiple and the note is gone; the plan records it."""
-    import onnxdiag.emit as emit
+    import onnxdiag.runtime.latency as emit
 
     folder, model, data = tiny
     monkeypatch.setattr(emit, "cpu_conv_block", lambda cpuinfo=None: 8)

@@ -5,11 +5,11 @@ import corpus
 import numpy as np
 import pytest
 
-from onnxdiag import model_io
-from onnxdiag.collect import collect_channel_moments, find_analysed_layers, target_margin
-from onnxdiag.data import open_data
+from onnxdiag.channels.collect import collect_channel_moments, find_analysed_layers, target_margin
+from onnxdiag.data.source import open_data
 from onnxdiag.errors import OnnxDiagError
 from onnxdiag.graph import analyze_structure
+from onnxdiag.model import io as model_io
 from onnxdiag.stats import draw_positions
 
 N = 23
@@ -101,7 +101,7 @@ def test_permutation_control_shuffles_targets_only(setup):
 def test_channels_verb_writes_csv_and_flags_pseudo_targets(setup, tmp_path):
     import onnx
 
-    from onnxdiag.channel_report import channels_report
+    from onnxdiag.commands.channels import channels_report
 
     model, _, x, _ = setup
     path = tmp_path / "m.onnx"
@@ -122,7 +122,7 @@ def test_fast_fold_equals_moments_on_concatenated_rows(cuts):
     """The hot loop (row gather from the channels-last output, Gram around the running mean)
     equals Moments.update on the explicitly gathered float64 rows of the NCHW tensor with T
     repeated per position, to 1e-12, for any split."""
-    from onnxdiag.collect import LayerMoments, _fold
+    from onnxdiag.channels.collect import LayerMoments, _fold
     from onnxdiag.stats import Moments
 
     rng = np.random.default_rng(9)
@@ -155,7 +155,7 @@ def test_fast_fold_equals_moments_on_concatenated_rows(cuts):
 
 
 def test_reused_runner_and_serial_folding_give_identical_moments(setup):
-    from onnxdiag.collect import make_stats_runner
+    from onnxdiag.channels.collect import make_stats_runner
 
     model, structure, x, y = setup
     runner = make_stats_runner(model, structure)
@@ -176,7 +176,7 @@ def test_channel_section_summarises_each_layer(setup, tmp_path):
     equal to the channels verb's on the same data."""
     import onnx
 
-    from onnxdiag.channel_report import channel_section, channels_report
+    from onnxdiag.commands.channels import channel_section, channels_report
 
     model, structure, x, y = setup
     source = open_data({"x": x, "labels": y}, model_io.get_input_specs(model), batch_size=8)
@@ -199,7 +199,7 @@ def test_channel_section_summarises_each_layer(setup, tmp_path):
 
 
 def test_channel_section_skips_models_without_convs():
-    from onnxdiag.channel_report import channel_section
+    from onnxdiag.commands.channels import channel_section
 
     model = model_io.load_model(corpus.mlp_head())
     structure = analyze_structure(model)
@@ -248,7 +248,7 @@ def test_auto_taps_the_input_only_where_it_is_far_smaller():
     errors name the fix."""
     from pathlib import Path
 
-    from onnxdiag.collect import choose_taps, tap_names
+    from onnxdiag.channels.collect import choose_taps, tap_names
 
     model = model_io.load_model(str(Path(__file__).parent.parent / "models" / "sample"
                                      / "model.onnx"))

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from onnxdiag.data import Batch, ImageOptions, InputSpec, load_labels, open_data, progress
+from onnxdiag.data.source import Batch, ImageOptions, InputSpec, load_labels, open_data
 from onnxdiag.errors import DataError, OnnxDiagError
+from onnxdiag.runtime.progress import progress
 
 F32 = np.dtype("float32")
 SPEC = [InputSpec("input", (None, 1, 4, 4), F32)]

@@ -7,11 +7,11 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from onnxdiag.analysis import select_report
 from onnxdiag.cli import cli
+from onnxdiag.commands.select import select_report
+from onnxdiag.data.sample import get_sample
 from onnxdiag.errors import MissingExtraError, OnnxDiagError
-from onnxdiag.executor import ExecutorSpec, LocalExecutor, make_executor, parse_executor
-from onnxdiag.sample import get_sample
+from onnxdiag.runtime.executor import ExecutorSpec, LocalExecutor, make_executor, parse_executor
 
 SAMPLE = get_sample()
 CKPTS = [SAMPLE.model.parent / "checkpoints" / f"ckpt_{i:03d}.onnx" for i in (0, 4, 8, 12, 15)]

@@ -7,17 +7,17 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import onnxdiag.collect as collect
-from onnxdiag.channel_report import channels_report
+import onnxdiag.channels.collect as collect
+from onnxdiag.channels.collect import collect_channel_moments, collect_channel_moments_sharded
 from onnxdiag.cli import cli
-from onnxdiag.collect import collect_channel_moments, collect_channel_moments_sharded
-from onnxdiag.data import open_data
+from onnxdiag.commands.channels import channels_report
+from onnxdiag.commands.prune_sweep import prune_sweep_report
+from onnxdiag.data.sample import get_sample
+from onnxdiag.data.source import open_data
 from onnxdiag.errors import OnnxDiagError
-from onnxdiag.executor import LocalExecutor
 from onnxdiag.graph import analyze_structure
-from onnxdiag.model_io import get_input_specs, load_model
-from onnxdiag.prune_report import prune_sweep_report
-from onnxdiag.sample import get_sample
+from onnxdiag.model.io import get_input_specs, load_model
+from onnxdiag.runtime.executor import LocalExecutor
 
 SAMPLE = get_sample()
 CALIB = str(SAMPLE.calibration)

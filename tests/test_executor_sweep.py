@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from onnxdiag.sample import get_sample
-from onnxdiag.sparse_report import sweep_report
+from onnxdiag.commands.sweep import sweep_report
+from onnxdiag.data.sample import get_sample
 
 SAMPLE = get_sample()
 ARGS = dict(sparsity="0.5,0.7,0.9999", allocations="erk,lamp", repairs="cr+bn",
@@ -45,7 +45,7 @@ def test_local_processes_equal_in_process(in_process):
 
 def test_ray_equals_in_process(in_process):
     ray = pytest.importorskip("ray")
-    from onnxdiag.executor import RayExecutor
+    from onnxdiag.runtime.executor import RayExecutor
 
     started = not ray.is_initialized()
     if started:
@@ -60,9 +60,9 @@ def test_ray_equals_in_process(in_process):
 
 
 def _rr(executor=None, positions=16):
-    from onnxdiag.data import open_data
+    from onnxdiag.data.source import open_data
     from onnxdiag.graph import analyze_structure
-    from onnxdiag.model_io import get_input_specs, load_model
+    from onnxdiag.model.io import get_input_specs, load_model
     from onnxdiag.sparsity import compute_rr_curves, find_prunable
 
     m = load_model(SAMPLE.model)
@@ -74,7 +74,7 @@ def _rr(executor=None, positions=16):
 
 @pytest.mark.parametrize("positions", [16, "all"])
 def test_rr_curves_one_unit_per_layer_equal_in_process(positions):
-    from onnxdiag.executor import LocalExecutor
+    from onnxdiag.runtime.executor import LocalExecutor
 
     a, b = _rr(positions=positions), _rr(LocalExecutor(2), positions)
     assert a.layers == b.layers and a.n_samples == b.n_samples
@@ -84,7 +84,7 @@ def test_rr_curves_one_unit_per_layer_equal_in_process(positions):
 
 def test_rr_curves_on_ray_equal_in_process():
     ray = pytest.importorskip("ray")
-    from onnxdiag.executor import RayExecutor
+    from onnxdiag.runtime.executor import RayExecutor
 
     started = not ray.is_initialized()
     if started:

@@ -17,10 +17,10 @@ import pytest
 from corpus import conv_bn_chain, softmax_output
 from onnx import numpy_helper
 
-from onnxdiag.data import open_data
+from onnxdiag.data.source import open_data
 from onnxdiag.errors import DataError, MissingExtraError, OnnxDiagError
 from onnxdiag.finetune import INSTALL_HINT, FinetuneRecord, finetune_model
-from onnxdiag.model_io import get_input_specs
+from onnxdiag.model.io import get_input_specs
 
 N_SAMPLES, BATCH = 256, 32  # 8 batches per pass over the data
 

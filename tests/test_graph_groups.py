@@ -16,7 +16,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from onnxdiag.graph import find_channel_groups, find_head, find_layers, get_group
-from onnxdiag.model_io import load_model
+from onnxdiag.model.io import load_model
 
 
 def _groups(model):

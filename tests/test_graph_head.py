@@ -16,7 +16,7 @@ import pytest
 
 from onnxdiag.errors import HeadNotFoundError
 from onnxdiag.graph import Head, analyze_structure, find_head, find_head_candidates
-from onnxdiag.model_io import load_model
+from onnxdiag.model.io import load_model
 
 SOFTMAX = ("Softmax(Exp/ReduceSum/Div)",)
 # name: (node, op, features, reduce, logits, output, output_kind, path, n_features)

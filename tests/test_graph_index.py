@@ -10,7 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxdiag.errors import OnnxDiagError
 from onnxdiag.graph import GraphIndex
-from onnxdiag.model_io import load_model
+from onnxdiag.model.io import load_model
 
 
 def _const_model() -> onnx.ModelProto:

@@ -10,7 +10,7 @@ import pytest
 
 from onnxdiag.graph import analyze_structure, find_head, find_layers, get_layer
 from onnxdiag.graph.flops import conv_output_spatial, linear_flops
-from onnxdiag.model_io import load_model
+from onnxdiag.model.io import load_model
 
 
 def _layers(name: str):

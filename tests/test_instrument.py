@@ -6,10 +6,10 @@ import onnx.helper as oh
 import pytest
 from onnx import TensorProto, numpy_helper
 
-from onnxdiag import model_io
 from onnxdiag.errors import OnnxDiagError
-from onnxdiag.instrument import expose_tensors
-from onnxdiag.runner import OrtRunner, ort_info, resolve_providers
+from onnxdiag.model import io as model_io
+from onnxdiag.model.expose import expose_tensors
+from onnxdiag.runtime.runner import OrtRunner, ort_info, resolve_providers
 
 
 def _conv_bn_model():

@@ -14,12 +14,7 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from onnxdiag import model_io
-from onnxdiag.channels import peer_regression, score_layer
-from onnxdiag.data import open_data
-from onnxdiag.errors import OnnxDiagError
-from onnxdiag.graph import analyze_structure
-from onnxdiag.interventions import (
+from onnxdiag.channels.interventions import (
     MIN_DAMAGE,
     evaluate_edit,
     lesion_channels,
@@ -27,6 +22,11 @@ from onnxdiag.interventions import (
     substitute_channel,
     substitute_channels,
 )
+from onnxdiag.channels.scores import peer_regression, score_layer
+from onnxdiag.data.source import open_data
+from onnxdiag.errors import OnnxDiagError
+from onnxdiag.graph import analyze_structure
+from onnxdiag.model import io as model_io
 
 
 def _load(model):

@@ -8,9 +8,9 @@ import onnx.helper as oh
 import pytest
 from onnx import TensorProto, numpy_helper
 
-from onnxdiag import model_io
 from onnxdiag.errors import ModelLoadError, OutputError
-from onnxdiag.runner import OrtRunner
+from onnxdiag.model import io as model_io
+from onnxdiag.runtime.runner import OrtRunner
 
 
 def _gemm_model(*, opset=17, ir=None, init_as_inputs=False, names=("", "")):

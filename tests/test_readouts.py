@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from onnxdiag.errors import DataError, HeadNotFoundError, OnnxDiagError
-from onnxdiag.readouts import (
+from onnxdiag.selection.readouts import (
     HEAD_GRAD_NAMES,
     READOUTS,
     TARGETS,

@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from onnxdiag.cli import cli
+from onnxdiag.data.sample import get_sample
 from onnxdiag.errors import OnnxDiagError
 from onnxdiag.report.schema import load_schema, validate_report
-from onnxdiag.sample import get_sample
 
 jsonschema = pytest.importorskip("jsonschema")
 SAMPLE = get_sample()
@@ -58,7 +58,7 @@ def test_reports_validate_against_the_published_schema(reports, verb):
     validate_report(report)
     assert report["metadata"]["command"] == verb
     if verb != "select":  # one model: its hash makes the report reproducible
-        from onnxdiag.model_io import load_model, model_hash
+        from onnxdiag.model.io import load_model, model_hash
 
         assert report["metadata"]["model_sha256"] == model_hash(load_model(SAMPLE.model))
         header = (reports[verb] / "report.txt").read_text().splitlines()[1]

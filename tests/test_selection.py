@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from onnxdiag.errors import DataError, OnnxDiagError
-from onnxdiag.selection import (
+from onnxdiag.selection.series import (
     correlate_series,
     early_stop,
     evaluate_selection,
@@ -182,7 +182,7 @@ def test_rank_models():
 
 
 def test_list_checkpoints_accepts_one_folder_or_listing_as_a_string(tmp_path):
-    from onnxdiag.checkpoints import list_checkpoints
+    from onnxdiag.selection.checkpoints import list_checkpoints
 
     for name in ("ckpt_10.onnx", "ckpt_2.onnx", "notes.txt"):
         (tmp_path / name).write_bytes(b"x")

@@ -10,15 +10,12 @@ import onnx
 import pytest
 from corpus import conv_bn_folded, residual_block, run_ort
 
+from onnxdiag.commands.prune import prune_report_sparse
+from onnxdiag.commands.rr import repairability_section, rr_report
+from onnxdiag.commands.sweep import sweep_report
 from onnxdiag.errors import OnnxDiagError
 from onnxdiag.graph import analyze_structure
-from onnxdiag.model_io import file_hash, load_model, model_hash
-from onnxdiag.sparse_report import (
-    prune_report_sparse,
-    repairability_section,
-    rr_report,
-    sweep_report,
-)
+from onnxdiag.model.io import file_hash, load_model, model_hash
 from onnxdiag.sparsity import (
     METHODS,
     RULES,
@@ -260,8 +257,8 @@ def test_sweep_reports_a_rule_that_cannot_meet_S_and_goes_on(files):
 
 # -- analyze section --------------------------------------------------------------------------
 def test_repairability_section_rows_and_suggested_allocation(files):
-    from onnxdiag.data import open_data
-    from onnxdiag.model_io import get_input_specs
+    from onnxdiag.data.source import open_data
+    from onnxdiag.model.io import get_input_specs
 
     m = load_model(files["res"])
     src = open_data(str(files["calib"]), get_input_specs(m))

@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 
 from onnxdiag.errors import OnnxDiagError
-from onnxdiag.sparsity import RULES, LayerInfo, RRCurves, allocate_sparsity, make_masks, prune_count
+from onnxdiag.sparsity import (
+    RULES,
+    LayerInfo,
+    RRCurves,
+    allocate_sparsity,
+    make_masks,
+    prune_count,
+)
 
 
 def resnet18_cifar100() -> list[LayerInfo]:

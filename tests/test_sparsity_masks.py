@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxdiag.errors import OnnxDiagError
 from onnxdiag.graph import analyze_structure
-from onnxdiag.model_io import load_model, model_hash
+from onnxdiag.model.io import load_model, model_hash
 from onnxdiag.sparsity import (
     apply_masks,
     describe_layers,

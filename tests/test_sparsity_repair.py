@@ -16,11 +16,11 @@ from corpus import (
     run_ort,
 )
 
-from onnxdiag.data import open_data
+from onnxdiag.data.source import open_data
 from onnxdiag.errors import OnnxDiagError
 from onnxdiag.graph import GraphIndex, analyze_structure
-from onnxdiag.model_io import get_input_specs, load_model, model_hash
-from onnxdiag.runner import OrtRunner
+from onnxdiag.model.io import get_input_specs, load_model, model_hash
+from onnxdiag.runtime.runner import OrtRunner
 from onnxdiag.sparsity import (
     METHODS,
     allocate_sparsity,

@@ -16,8 +16,8 @@ from corpus import (
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxdiag.graph import GraphIndex, analyze_structure
-from onnxdiag.model_io import load_model
-from onnxdiag.runner import OrtRunner
+from onnxdiag.model.io import load_model
+from onnxdiag.runtime.runner import OrtRunner
 from onnxdiag.sparsity import (
     DEFAULT_GRID,
     apply_masks,

@@ -6,13 +6,7 @@ import numpy as np
 import pytest
 
 from onnxdiag.errors import DataError
-from onnxdiag.stats import (
-    JointMoments,
-    Moments,
-    draw_positions,
-    sample_positions,
-    spatial_mean,
-)
+from onnxdiag.stats import JointMoments, Moments, draw_positions, sample_positions, spatial_mean
 
 N, D = 301, 6
 

@@ -16,7 +16,7 @@ from onnx import helper, numpy_helper
 
 from onnxdiag.errors import OnnxDiagError
 from onnxdiag.graph import analyze_structure, get_group
-from onnxdiag.model_io import load_model, model_hash, save_model
+from onnxdiag.model.io import load_model, model_hash, save_model
 from onnxdiag.structured import (
     Plan,
     bn_scale_scores,
@@ -418,7 +418,7 @@ def test_round_to_keeps_multiples_and_spares_the_best_scored(budget, multiple):
 
 
 def test_cpu_conv_block_reads_the_cpu_flags():
-    from onnxdiag.emit import cpu_conv_block
+    from onnxdiag.runtime.latency import cpu_conv_block
 
     assert cpu_conv_block("processor: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n") == 16
     assert cpu_conv_block("flags : fpu sse2 avx avx2 fma\n") == 8

@@ -67,7 +67,7 @@ def build_metadata(*, command: str, parameters: dict, model_path=None, model_has
     if model_hash is not None:
         meta["model_sha256"] = model_hash
     if runner is not None:
-        from ..runner import ort_info
+        from ..runtime.runner import ort_info
 
         meta["onnxruntime"] = ort_info()
         meta["providers"] = runner.providers

@@ -75,7 +75,7 @@ def render_readouts(r: dict) -> str:
     lines = ["== Readouts (SPEC A) ==",
              f"probe: {ro['n_samples']} samples, targets={ro['targets']}, norm={ro['norm']}, "
              f"head check rel. error {r['head_rel_error']:.2e}"]
-    from ..readouts import READOUTS
+    from ..selection.readouts import READOUTS
 
     rows = [{"readout": k, "value": v, "better": READOUTS[k].direction if k in READOUTS else ""}
             for k, v in ro["values"].items()]

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import csv
+import io
 import math
+
+from .json import to_jsonable
 
 
 def format_value(value, digits: int = 4) -> str:
@@ -65,3 +69,17 @@ def rows_to_csv(rows: list[dict]) -> str:
         writer.writeheader()
         writer.writerows(rows)
     return buf.getvalue()
+
+
+def dict_rows_csv(rows) -> str:
+    buf = io.StringIO()
+    if rows:
+        writer = csv.DictWriter(buf, fieldnames=list(rows[0]), extrasaction="ignore",
+                                restval="")
+        writer.writeheader()
+        writer.writerows(to_jsonable(rows))
+    return buf.getvalue()
+
+
+def fmt3(x):
+    return "-" if x is None else f"{x:.3f}"

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import OutputError
-from ..model_io import ensure_writable_dir
+from ..model.io import ensure_writable_dir
 
 
 def check_report_folder(folder, *, overwrite: bool = False) -> Path:

@@ -34,8 +34,8 @@ import onnx
 from ..errors import DataError, OnnxDiagError
 from ..graph import GraphIndex
 from ..graph._records import jsonable
-from ..instrument import expose_tensors
-from ..runner import OrtRunner
+from ..model.expose import expose_tensors
+from ..runtime.runner import OrtRunner
 from ..stats import Moments
 from .masks import apply_masks, count_uses, set_input_constant
 from .segments import SegmentedPass
@@ -161,7 +161,7 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
     if recalibrate not in RECALIBRATE:
         raise OnnxDiagError(f"recalibrate must be one of {', '.join(RECALIBRATE)}.")
     pruned = apply_masks(model, masks)
-    batches = _collect_batches(calib_source, n_images)
+    batches = collect_batches(calib_source, n_images)
     index = GraphIndex(pruned)
     affected = _affected(index, [n for n, m in masks.items() if not np.all(m)])
     convs = [la for la in structure.layers if la.node_name in masks and la.op_type == "Conv"
@@ -228,7 +228,7 @@ def recalibrate_batchnorm(model: onnx.ModelProto, calib_source, *, dense_model=N
     """
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    batches = _collect_batches(calib_source, n_images)
+    batches = collect_batches(calib_source, n_images)
     n = sum(_batch_len(b) for b in batches)
     index = GraphIndex(out)
     bns = [node for node in index.nodes if node.op_type == "BatchNormalization"]
@@ -281,7 +281,7 @@ def _convs_without_bn(model: onnx.ModelProto, head: str | None) -> list:
             if la.op_type == "Conv" and not la.is_head and la.bn_node is None]
 
 
-def _collect_batches(source, n_images: int | None) -> list[dict]:
+def collect_batches(source, n_images: int | None) -> list[dict]:
     feeds_iter = (b.feeds for b in source.batches()) if hasattr(source, "batches") else source
     batches, seen = [], 0
     for feeds in feeds_iter:

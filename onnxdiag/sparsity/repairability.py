@@ -36,16 +36,11 @@ from scipy import sparse
 from ..errors import DataError, OnnxDiagError
 from ..graph import GraphIndex
 from ..graph._records import jsonable
-from ..instrument import expose_channels_last, expose_tensors
-from ..runner import OrtRunner
+from ..model.expose import expose_channels_last, expose_tensors
+from ..runtime.runner import OrtRunner
 from .budget import prune_count
 from .masks import magnitude_order
-from .offline import (
-    apply_columns,
-    layer_op,
-    sampled_columns,
-    weight_matrix,
-)
+from .offline import apply_columns, layer_op, sampled_columns, weight_matrix
 
 #: SPEC C2 default grid: {0, 0.05, …, 0.9} ∪ {0.91, …, 0.99} (28 points).
 DEFAULT_GRID = tuple(round(0.05 * i, 2) for i in range(19)) + tuple(

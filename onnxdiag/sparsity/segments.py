@@ -21,7 +21,7 @@ import onnx
 from onnx import helper
 
 from ..graph import GraphIndex
-from ..runner import OrtRunner
+from ..runtime.runner import OrtRunner
 
 
 def node_reads(node: onnx.NodeProto) -> set[str]:

@@ -17,8 +17,8 @@ from decimal import Decimal, InvalidOperation
 import numpy as np
 
 from ..errors import DataError, OnnxDiagError
-from ..instrument import expose_tensors
-from ..runner import OrtRunner
+from ..model.expose import expose_tensors
+from ..runtime.runner import OrtRunner
 from .allocation import RULES, allocate_sparsity
 from .masks import describe_layers, find_prunable, make_masks, read_weights
 from .repair import METHODS, repair_model
@@ -132,7 +132,7 @@ def run_logits(runner: OrtRunner, head, batches: Iterable[dict]) -> np.ndarray:
 
 def evaluate_logits(runner: OrtRunner, head, source) -> dict:
     """Top-1 accuracy and cross-entropy on a labelled DataSource (streamed)."""
-    from ..probe import EvalAccumulator
+    from ..evaluate import EvalAccumulator
 
     if not source.has_labels:
         raise DataError("--eval-data has no labels; evaluation needs labelled data (an npz "
@@ -265,7 +265,7 @@ def _run_on(executor, pruner, grid, rules, methods, eval_source, on_cell) -> lis
     curves) and the evaluation batches are shipped once; cells come back in grid order."""
     import dataclasses
 
-    from ..executor import wants_gpu
+    from ..runtime.executor import wants_gpu
 
     keys = [(float(S), rule, method) for S in grid for rule in rules for method in methods]
     eval_batches = None if eval_source is None else list(eval_source.batches())

@@ -11,13 +11,7 @@ No function modifies its input model.
 """
 
 from .plan import BUDGETS, PLAN_SCHEMA, Plan, load_plan, plan_pruning, replay_plan, save_plan
-from .prune import (
-    GroupCut,
-    PruneRecord,
-    kept_output_channels,
-    normalize_removed,
-    prune_channels,
-)
+from .prune import GroupCut, PruneRecord, kept_output_channels, normalize_removed, prune_channels
 from .scores import bn_scale_scores, magnitude_scores, random_scores, score_groups
 
 __all__ = [

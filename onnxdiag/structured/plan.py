@@ -28,7 +28,7 @@ import onnx
 from ..errors import OnnxDiagError
 from ..graph import Structure, analyze_structure
 from ..graph._records import jsonable
-from ..model_io import check_output_path, model_hash, write_text_atomic
+from ..model.io import check_output_path, model_hash, write_text_atomic
 from .prune import PruneRecord, normalize_removed, prune_channels
 from .scores import normalize_minmax, score_groups
 

@@ -22,7 +22,7 @@ import onnx
 from ..errors import OnnxDiagError
 from ..graph import ChannelGroup, GraphIndex, Layer, Structure, analyze_structure
 from ..graph._records import jsonable
-from ..model_io import PROTOBUF_LIMIT
+from ..model.io import PROTOBUF_LIMIT
 from .edit import ConstantEditor
 
 _OUT_AXIS = {"oihw": 0, "oi": 0, "io": 1}

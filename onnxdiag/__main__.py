@@ -1,0 +1,5 @@
+"""``python -m onnxdiag``: the console script."""
+
+from .cli import main
+
+main()

@@ -1,0 +1,5 @@
+"""``python -m onnxdiag.cli``: the console script."""
+
+from . import main
+
+main()

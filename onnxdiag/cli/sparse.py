@@ -1,0 +1,163 @@
+"""CLI verbs for unstructured pruning (SPEC C): rr, prune, sweep.
+
+Imported by onnxdiag.cli; each command registers itself on the ``cli`` group.
+"""
+
+from __future__ import annotations
+
+import click
+
+from . import cli
+from .options import (
+    data_options,
+    emit_result,
+    head_options,
+    library_kwargs,
+    output_options,
+    sampling_options,
+)
+
+RULE_CHOICES = ("global", "uniform", "erk", "lamp", "rr", "rr-greedy", "rr-marginal")
+REPAIR_CHOICES = ("none", "bn", "cr", "cr+bn", "layer-cr", "layer-cr+bn", "shrunk-cr",
+                  "shrunk-cr+bn")
+
+
+def _positions_option(ctx, param, value):
+    """``--rr-positions``: a positive integer or 'all' (returned as None)."""
+    if value is None or str(value).strip().lower() == "all":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise click.BadParameter(f"expected a positive integer or 'all', got {value!r}.")
+    return n
+
+
+def _fan_out_options(f):
+    """--executor / --jobs of the verbs whose units (RR layers, sweep cells) can fan out."""
+    f = click.option("--jobs", type=click.IntRange(min=1), default=None,
+                     help="With --executor local: worker processes (default: one per "
+                          "core).")(f)
+    return click.option(
+        "--executor", default=None, metavar="local|ray[=ADDRESS]",
+        help="Run each unit (RR layer, sweep cell) on local worker processes, a local Ray "
+             "instance (ray) or a Ray cluster (ray=HOST:PORT). Default: in this process.")(f)
+
+
+def rr_options(f):
+    """Options shared by the verbs that allocate: dense layers, the rr rule, the repair."""
+    for opt in reversed([
+        click.option("--keep-dense", "keep_dense", multiple=True, metavar="NODE",
+                     help="Leave this layer dense (repeatable), e.g. the stem or the head."),
+        click.option("--rr-images", type=click.IntRange(min=1), default=64, show_default=True,
+                     help="Calibration images for the RR curves (SPEC C2)."),
+        click.option("--rr-positions", default="16", show_default=True, metavar="N|all",
+                     callback=_positions_option,
+                     help="Conv output positions per image (seeded by --seed) whose patches "
+                          "enter the RR moments; 'all' = every position (exact, slower)."),
+        click.option("--rr-prior", type=click.Choice(["erk", "lamp"]), default="erk",
+                     show_default=True, help="Prior allocation the rr rule modulates."),
+        click.option("--rr-gamma", type=float, default=1.0, show_default=True,
+                     help="Exponent of the RR modulation (0 gives the prior back)."),
+        click.option("--rr-cap", type=click.FloatRange(0, 1, max_open=True), default=0.99,
+                     show_default=True, help="Per-layer sparsity cap of the rr rules."),
+        click.option("--force-projection", is_flag=True,
+                     help="ERK: set 1x1 shortcut convs to s = S and re-solve."),
+        click.option("--alpha-cap", type=click.FloatRange(min=0, min_open=True), default=100.0,
+                     show_default=True, help="Cap on CR's per-channel scale alpha."),
+        click.option("--recalibrate", type=click.Choice(["affected", "all"]),
+                     default="affected", show_default=True,
+                     help="Recalibrate the BNs downstream of a pruned weight, or all BNs."),
+    ]):
+        f = opt(f)
+    return f
+
+
+@cli.command()
+@click.argument("model")
+@data_options(required=True)
+@sampling_options
+@head_options
+@click.option("--grid", default=None,
+              help="RR sparsities, e.g. 0:0.9:0.05,0.91:0.99:0.01 (default: SPEC C2's 28 "
+                   "points).")
+@click.option("--band-sparsity", default="0.1:0.9:0.1,0.91:0.99:0.01", show_default=True,
+              help="Global sparsities of the label-free transition scan, or 'none'.")
+@click.option("--allocation", type=click.Choice(RULE_CHOICES), default="rr",
+              show_default=True, help="Allocation used by the transition scan.")
+@rr_options
+@output_options
+@_fan_out_options
+def rr(model, fmt, **kwargs):
+    """Relative repairability curves per layer and the predicted transition band.
+
+    RR(layer, s) from one capture pass over --data (SPEC C2), then a label-free scan
+    of global sparsities (CR+BN vs BN-only agreement with the dense model, CTS; SPEC
+    C4). Writes report.json, report.txt, rr_curves.csv and transition.csv.
+    """
+    from ..commands.rr import rr_report
+
+    kwargs["keep_dense"] = list(kwargs["keep_dense"])
+    emit_result(rr_report(model, **library_kwargs(kwargs)), fmt)
+
+
+@cli.command()
+@click.argument("model")
+@click.option("-o", "--output", required=True, help="Pruned model file to write (.onnx).")
+@click.option("--sparsity", type=click.FloatRange(0, 1), required=True,
+              help="Global sparsity S: fraction of the prunable weights removed, e.g. 0.95.")
+@click.option("--allocation", type=click.Choice(RULE_CHOICES), default="rr",
+              show_default=True, help="How S is spread over the layers (SPEC C3).")
+@click.option("--repair", type=click.Choice(REPAIR_CHOICES), default="cr+bn",
+              show_default=True, help="Label-free repair (SPEC C1).")
+@click.option("--sparse-initializers", is_flag=True,
+              help="Store pruned weights as sparse_initializer where that is smaller.")
+@data_options(required=True)
+@data_options("eval-")
+@sampling_options
+@head_options
+@rr_options
+@output_options
+def prune(model, fmt, **kwargs):
+    """Prune to a global sparsity, repair, and write the model (SPEC C5).
+
+    Writes OUTPUT and OUTPUT.json (per-layer sparsity, allocation, repair parameters,
+    dense model hash, agreement, accuracy with --eval-data, sizes, CPU latency).
+    Refuses to overwrite the input, and an existing OUTPUT without --overwrite.
+    """
+    from ..commands.prune import prune_report_sparse
+
+    kwargs["keep_dense"] = list(kwargs["keep_dense"])
+    emit_result(prune_report_sparse(model, **library_kwargs(kwargs)), fmt)
+
+
+@cli.command()
+@click.argument("model")
+@click.option("--sparsity", required=True,
+              help="Sparsity grid: start:stop:step (stop included) and/or values, e.g. "
+                   "0.90:0.97:0.005 or 0.5,0.9,0.95.")
+@click.option("--allocations", default="all", show_default=True,
+              help="Comma-separated allocations, or 'all' ("
+                   + ", ".join(RULE_CHOICES) + ").")
+@click.option("--repairs", default="cr+bn,bn,none", show_default=True,
+              help="Comma-separated repairs (" + ", ".join(REPAIR_CHOICES) + ").")
+@data_options(required=True)
+@data_options("eval-")
+@sampling_options
+@head_options
+@rr_options
+@output_options
+@_fan_out_options
+def sweep(model, fmt, **kwargs):
+    """Accuracy table over sparsity x allocation x repair, with the transition bands.
+
+    Per cell: agreement with the dense model on --data (label-free) and, with
+    --eval-data, top-1 accuracy and loss. RR curves are computed once. Writes
+    report.json, report.txt and sweep.csv.
+    """
+    from ..commands.sweep import sweep_report
+
+    kwargs["keep_dense"] = list(kwargs["keep_dense"])
+    emit_result(sweep_report(model, **library_kwargs(kwargs)), fmt)

@@ -1,0 +1,104 @@
+"""Evaluation: a model's head outputs on data, accuracy / loss, and the comparison of two models.
+
+- :func:`make_head_runner` — a runner exposing the head's features and logits.
+- :func:`evaluate_model` — top-1 accuracy and cross-entropy on labelled data.
+- :func:`compare_models` — max logit difference and top-1 agreement of two models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import DataError
+from .model.expose import expose_tensors
+from .runtime.runner import OrtRunner
+from .selection.readouts import log_softmax
+
+
+def compare_models(source_runner, emitted_runner, source, head, *, max_batches: int = 8) -> dict:
+    """Compare two models' head logits on verification data (a DataSource).
+
+    Both runners must expose the head's features and logits (``probe.make_head_runner``).
+
+    Returns max |Δlogit|, relative difference and the top-1 agreement, over at most
+    ``max_batches`` batches.
+    """
+    pass
+
+    names = [head.features, head.logits]
+    diff = scale = 0.0
+    agree = n = 0
+    for i, batch in enumerate(source.batches()):
+        if i >= max_batches:
+            break
+        _, ua = head_arrays(source_runner.run(batch.feeds, names), head)
+        _, ub = head_arrays(emitted_runner.run(batch.feeds, names), head)
+        diff = max(diff, float(np.max(np.abs(ua - ub))))
+        scale = max(scale, float(np.max(np.abs(ua))))
+        agree += int(np.sum(ua.argmax(1) == ub.argmax(1)))
+        n += ua.shape[0]
+    return {"n_samples": n, "max_abs_logit_diff": diff,
+            "max_rel_logit_diff": diff / (scale + 1e-12),
+            "top1_agreement": agree / n if n else None}
+
+
+def head_arrays(outputs: dict[str, np.ndarray], head) -> tuple[np.ndarray, np.ndarray]:
+    """Z (n_samples, n_features) and U (n_samples, n_classes) from exposed head tensors."""
+    feats = np.asarray(outputs[head.features], dtype=np.float64)
+    n = feats.shape[0]
+    if head.features_reduce == "spatial_mean" and feats.ndim > 2:
+        Z = feats.reshape(n, feats.shape[1], -1).mean(axis=2)
+    else:
+        Z = feats.reshape(n, -1)
+    U = np.asarray(outputs[head.logits], dtype=np.float64).reshape(n, -1)
+    return Z, U
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Top-1 accuracy and cross-entropy of a model on labelled data."""
+
+    n_samples: int
+    accuracy: float
+    loss: float
+
+    def to_dict(self) -> dict:
+        return {"n_samples": self.n_samples, "accuracy": self.accuracy, "loss": self.loss}
+
+
+class EvalAccumulator:
+    """Streams logits + labels into accuracy and mean cross-entropy (exact for any split)."""
+
+    def __init__(self):
+        self.n, self.correct, self.loss_sum = 0, 0, 0.0
+
+    def update(self, U: np.ndarray, labels: np.ndarray) -> None:
+        labels = np.asarray(labels).reshape(-1).astype(np.int64)
+        logp = log_softmax(np.asarray(U, dtype=np.float64))
+        self.correct += int(np.sum(U.argmax(axis=1) == labels))
+        self.loss_sum += float(-logp[np.arange(len(labels)), labels].sum())
+        self.n += len(labels)
+
+    def result(self) -> Evaluation:
+        if self.n == 0:
+            raise DataError("The evaluation data is empty; give at least one labelled sample.")
+        return Evaluation(self.n, self.correct / self.n, self.loss_sum / self.n)
+
+
+def make_head_runner(model, head, *, providers=None, threads=None) -> OrtRunner:
+    """A session over a copy of ``model`` that also outputs the head's Z and U tensors."""
+    return OrtRunner(expose_tensors(model, [head.features, head.logits]), providers=providers,
+                     threads=threads)
+
+
+def evaluate_model(runner: OrtRunner, head, source, *, label: str | None = None) -> Evaluation:
+    """Top-1 accuracy and loss of the head's logits on a labelled DataSource."""
+    if not source.has_labels:
+        raise DataError("--eval-data has no labels; evaluation needs labelled data (an npz "
+                        "with a 'labels' key, --eval-labels FILE, or class sub-folders).")
+    acc = EvalAccumulator()
+    for batch, outputs in runner.stream(source, [head.features, head.logits], label=label):
+        _, U = head_arrays(outputs, head)
+        acc.update(U, batch.labels)
+    return acc.result()

@@ -1,0 +1,96 @@
+"""Expose intermediate tensors as graph outputs, on a copy (ONNX Runtime's calibrator pattern).
+
+A tensor that is a graph output cannot be fused away by ONNX Runtime (e.g. a Conv
+output feeding a BatchNormalization stays the pre-BN tensor), so measurement sees
+the tensor as the graph defines it (ARCHITECTURE invariant 6; tested against
+ORT_DISABLE_ALL).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import onnx
+import onnx_graphsurgeon as gs
+
+from ..errors import OnnxDiagError
+
+
+def expose_tensors(model: onnx.ModelProto, tensor_names: Sequence[str]) -> onnx.ModelProto:
+    """Return a copy of ``model`` whose outputs also include ``tensor_names``.
+
+    The original outputs keep their names and order and come first; exposed tensors
+    follow in the order given (duplicates and existing outputs are skipped). Never
+    modifies ``model``.
+
+    Raises:
+        OnnxDiagError: a name is not a tensor of the graph (the message lists a few).
+    """
+    graph = gs.import_onnx(model)
+    tensors = graph.tensors()
+    missing = [n for n in tensor_names if n not in tensors]
+    if missing:
+        known = sorted(n for n, t in tensors.items() if isinstance(t, gs.Variable))
+        raise OnnxDiagError(
+            f"Tensor {missing[0]!r} is not in the model (first 5 of {len(known)} tensors: "
+            f"{', '.join(known[:5])}); `onnxdiag inspect MODEL` lists layer outputs."
+        )
+    present = {t.name for t in graph.outputs}
+    for name in dict.fromkeys(tensor_names):
+        tensor = tensors[name]
+        if name in present:
+            continue
+        if isinstance(tensor, gs.Constant):
+            raise OnnxDiagError(
+                f"Tensor {name!r} is a constant (initializer), not a computed tensor; name a "
+                "node output instead."
+            )
+        graph.outputs.append(tensor)
+        present.add(name)
+    exported = gs.export_onnx(graph, do_type_check=False)
+    # graphsurgeon rebuilds the ModelProto; keep the original's metadata and versions.
+    exported.ir_version = model.ir_version
+    del exported.opset_import[:]
+    exported.opset_import.extend(model.opset_import)
+    exported.producer_name = model.producer_name
+    exported.producer_version = model.producer_version
+    _fill_missing_output_types(exported)
+    return exported
+
+
+def expose_channels_last(model: onnx.ModelProto, tensors: dict[str, int], *,
+                         tag: str = "channels_last") -> tuple[onnx.ModelProto, dict[str, str]]:
+    """A copy of ``model`` exposing a channels-last Transpose of each tensor in ``tensors``.
+
+    ``tensors`` maps a tensor name to its rank (NC…, channels on axis 1); the exposed
+    output ``{name}__onnxdiag_{tag}`` holds it as (N, …, C). Returns (model, name map).
+    On CPU, ONNX Runtime folds the Transpose into the reorder out of its blocked (NCHWc)
+    conv layout, so the channels-last copy costs what exposing the tensor itself costs,
+    and C-vectors at sampled positions are then contiguous rows. The tensor itself is not
+    exposed; as the Transpose's input it still cannot be fused away (e.g. into a following
+    BatchNormalization). Never modifies ``model``; returns it unchanged for an empty map.
+    """
+    from onnx import helper
+
+    if not tensors:
+        return model, {}
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    names = {}
+    types = {v.name: v.type.tensor_type.elem_type
+             for v in (*out.graph.input, *out.graph.output, *out.graph.value_info)}
+    for i, (name, rank) in enumerate(tensors.items()):
+        names[name] = f"{name}__onnxdiag_{tag}"
+        out.graph.node.append(helper.make_node(
+            "Transpose", [name], [names[name]], name=f"onnxdiag_{tag}_{i}",
+            perm=[0, *range(2, rank), 1]))
+        out.graph.output.append(helper.make_tensor_value_info(
+            names[name], types.get(name) or onnx.TensorProto.FLOAT, None))
+    return out, names
+
+
+def _fill_missing_output_types(model: onnx.ModelProto) -> None:
+    """Outputs exposed without inferred types get float32 (ORT needs an element type)."""
+    for out in model.graph.output:
+        if not out.type.tensor_type.elem_type:
+            out.type.tensor_type.elem_type = onnx.TensorProto.FLOAT

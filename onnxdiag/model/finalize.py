@@ -1,0 +1,113 @@
+"""Finalize edited models: clear stale shapes, re-infer, check in full, save with a sidecar.
+
+Invariant: every emitted model has stale intermediate shapes cleared, shapes re-inferred,
+passes ``onnx.checker.check_model(full_check=True)`` and is written atomically next to its
+sidecar JSON; never over an input file."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from ..errors import OnnxDiagError
+from ..report import to_json
+from .io import PROTOBUF_LIMIT, check_output_path, model_hash, save_model
+
+
+def finalize_model(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Clear stale value_info, re-infer shapes, run the full checker (on a copy).
+
+    Raises:
+        OnnxDiagError: the edited model fails the checker (a bug or an unsupported edit).
+    """
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.value_info[:]
+    if out.ByteSize() < PROTOBUF_LIMIT:
+        out = onnx.shape_inference.infer_shapes(out, strict_mode=True)
+        try:
+            onnx.checker.check_model(out, full_check=True)
+        except onnx.checker.ValidationError as exc:
+            raise OnnxDiagError(f"The edited model fails the ONNX checker ({exc}); this is a "
+                                "bug: please report it with the command line.") from exc
+    return out
+
+
+def emit_model(model: onnx.ModelProto, path, *, source_path=None, sidecar: dict,
+               protect=()) -> dict:
+    """Save ``model`` to ``path`` atomically with ``<path>.json`` beside it.
+
+    ``sidecar`` gets the emitted model's hash, file size and the source's size; the
+    input files in ``protect`` are never overwritten. Returns the sidecar dict.
+    """
+    out = check_output_path(path, protect=protect)
+    sidecar_path = out.with_name(out.name + ".json")
+    check_output_path(sidecar_path, protect=protect)
+    save_model(model, out, protect=protect)
+    info = dict(sidecar)
+    info["emitted"] = {"path": str(out), "sha256": model_hash(model),
+                       "file_bytes": os.path.getsize(out)}
+    if source_path is not None and Path(source_path).is_file():
+        info["source_file_bytes"] = os.path.getsize(source_path)
+    from .io import write_text_atomic
+
+    write_text_atomic(sidecar_path, to_json(info))
+    os.chmod(sidecar_path, os.stat(out).st_mode & 0o777)  # same permissions as the model
+    return info
+
+
+def store_sparse(model: onnx.ModelProto, names) -> tuple[onnx.ModelProto, list[str]]:
+    """A copy of ``model`` with the initializers ``names`` stored as ``sparse_initializer``
+    where that is smaller (SPEC C5): values (nnz) + int64 linear indices (nnz) against the
+    dense bytes.  Initializers that are also graph inputs stay dense.  Returns the copy and
+    the names converted.
+
+    ONNX's shape inference (and so ``check_model(full_check=True)``) does not type a sparse
+    initializer read by a Conv; check the dense-stored model in full and this one with
+    :func:`check_sparse_copy`.
+    """
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    inputs = {v.name for v in out.graph.input}
+    wanted = set(names) - inputs
+    converted = []
+    for init in list(out.graph.initializer):
+        if init.name not in wanted or init.data_location == onnx.TensorProto.EXTERNAL:
+            continue
+        w = onnx.numpy_helper.to_array(init)
+        flat = np.flatnonzero(w)
+        if flat.size * (w.itemsize + 8) >= w.size * w.itemsize:
+            continue
+        values = onnx.numpy_helper.from_array(w.ravel()[flat], init.name)
+        indices = onnx.numpy_helper.from_array(flat.astype(np.int64), init.name + "_indices")
+        out.graph.sparse_initializer.append(
+            onnx.helper.make_sparse_tensor(values, indices, list(w.shape)))
+        out.graph.initializer.remove(init)
+        converted.append(init.name)
+    return out, converted
+
+
+def check_sparse_copy(sparse: onnx.ModelProto, dense: onnx.ModelProto, feeds: dict) -> dict:
+    """Structural checker on ``sparse``, ONNX Runtime load, and its outputs against the
+    dense-stored ``dense`` on ``feeds``: {"max_abs_output_diff": float}.
+
+    Raises:
+        OnnxDiagError: the sparse copy fails the checker or differs from the dense one.
+    """
+    from ..runtime.runner import OrtRunner
+
+    try:
+        onnx.checker.check_model(sparse)
+    except onnx.checker.ValidationError as exc:
+        raise OnnxDiagError(f"The sparse-initializer copy fails the ONNX checker ({exc}); "
+                            "emit without --sparse-initializers.") from exc
+    a = OrtRunner(dense, providers="cpu").run(feeds)
+    b = OrtRunner(sparse, providers="cpu").run(feeds)
+    diff = max(float(np.max(np.abs(np.asarray(a[k], np.float64) - b[k]))) for k in a)
+    if not diff <= 1e-4 * max(1.0, max(float(np.max(np.abs(v))) for v in a.values())):
+        raise OnnxDiagError(f"The sparse-initializer copy differs from the dense one by {diff}; "
+                            "emit without --sparse-initializers.")
+    return {"max_abs_output_diff": diff}

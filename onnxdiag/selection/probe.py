@@ -1,0 +1,72 @@
+"""One pass over a probe batch: head check, readouts and (with labels) evaluation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import DataError
+from ..evaluate import Evaluation, evaluate_model, head_arrays, make_head_runner
+from ..runtime.runner import OrtRunner, single_threaded_blas
+from .readouts import ReadoutAccumulator, Readouts, verify_head
+
+#: ``--targets auto``: true labels when the probe data has them, else pseudo-labels.
+TARGET_CHOICES = ("auto", "labels", "pseudo", "expected")
+
+
+def resolve_targets(targets: str, has_labels: bool) -> str:
+    """Map ``auto`` to labels/pseudo; refuse ``labels`` on unlabelled data."""
+    if targets == "auto":
+        return "labels" if has_labels else "pseudo"
+    if targets == "labels" and not has_labels:
+        raise DataError(
+            "--targets labels needs labelled probe data, but the data has no labels; pass "
+            "--labels FILE, use an npz with a 'labels' key, or use --targets pseudo/expected."
+        )
+    return targets
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """Readouts of one model on one probe batch, the head check, optional evaluation."""
+
+    readouts: Readouts
+    head_node: str
+    head_rel_error: float
+    evaluation: Evaluation | None = None
+    data: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"head_node": self.head_node, "head_rel_error": self.head_rel_error,
+                "readouts": self.readouts.to_dict(),
+                "evaluation": None if self.evaluation is None else self.evaluation.to_dict(),
+                "data": self.data}
+
+
+def probe_model(model, structure, probe, *, eval_source=None, targets: str = "auto",
+                norm: str = "feature", include_bias: bool = False, providers=None,
+                threads=None, runner: OrtRunner | None = None, label: str | None = None
+                ) -> ProbeResult:
+    """Readouts of ``model`` on the DataSource ``probe`` (and accuracy on ``eval_source``).
+
+    The head is verified on the first batch (Z Wᵀ + b ≈ U, rel. error ≤ 1e-4);
+    HeadNotFoundError otherwise. Never modifies ``model``.
+    """
+    head = structure.head
+    runner = runner or make_head_runner(model, head, providers=providers, threads=threads)
+    targets = resolve_targets(targets, probe.has_labels)
+    acc = ReadoutAccumulator(head.weight, head.bias, targets=targets, include_bias=include_bias,
+                             norm=norm, n_params=structure.n_params)
+    rel_error = None
+    names = [head.features, head.logits]
+    with single_threaded_blas():  # small per-batch products between ORT runs
+        for batch, outputs in runner.stream(probe, names, label=label):
+            Z, U = head_arrays(outputs, head)
+            if rel_error is None:
+                rel_error = verify_head(Z, U, head.weight, head.bias, node_name=head.node_name)
+            acc.update(Z, U, batch.labels if targets == "labels" or probe.has_labels else None)
+        evaluation = None
+        if eval_source is not None:
+            evaluation = evaluate_model(runner, head, eval_source)
+    return ProbeResult(readouts=acc.result(), head_node=head.node_name,
+                       head_rel_error=float(rel_error or 0.0), evaluation=evaluation,
+                       data=probe.describe())

@@ -1,0 +1,79 @@
+"""Which channels to keep: the per-layer scores of every ``--score`` (higher = keep).
+
+Model-only scores (magnitude, bn_scale, random) and statistics-based ones (ix, relevance,
+two_axis, peer) from one channel-statistics pass."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import OnnxDiagError
+
+MODEL_SCORES = ("magnitude", "bn_scale", "random")
+
+
+STAT_SCORES = ("ix", "relevance", "two_axis", "peer")
+
+
+SCORES = MODEL_SCORES + STAT_SCORES
+
+
+#: SPEC B6 two_axis = alpha·norm(I_X) − beta·norm(I(T;Y)); beta grid {0, .1, .25, .5, 1}.
+DEFAULT_ALPHA, DEFAULT_BETA = 1.0, 0.25
+
+
+def _norm(v: np.ndarray) -> np.ndarray:
+    lo, hi = np.nanmin(v), np.nanmax(v)
+    return np.zeros_like(v) if hi - lo <= 0 else (v - lo) / (hi - lo)
+
+
+def stat_scores(model, structure, source, *, targets="auto", seed=0, providers=None,
+                progress=False) -> dict:
+    """ChannelScores per analysed layer from one statistics pass (SPEC B2–B3)."""
+    from ..channels.collect import collect_channel_moments
+    from ..channels.layers import score_collected
+
+    stats = collect_channel_moments(model, structure, source, targets=targets, seed=seed,
+                                    providers=providers,
+                                    label="Channel statistics" if progress else None)
+    return {name: s for name, (_, s, _) in score_collected(model, stats, structure).items()}
+
+
+def layer_scores(name: str, model, structure, channel_scores: dict | None, *,
+                 alpha=DEFAULT_ALPHA, beta=DEFAULT_BETA, seed=0) -> tuple[dict, list[str]]:
+    """{layer: (n_out,) scores} for score ``name``; layers without statistics fall back
+    to magnitude (listed in the returned notes)."""
+    from . import bn_scale_scores, magnitude_scores, random_scores
+
+    if name not in SCORES:
+        raise OnnxDiagError(f"Unknown channel score {name!r}; choose one of {', '.join(SCORES)}.")
+    if name == "magnitude":
+        return magnitude_scores(model, structure), []
+    if name == "bn_scale":
+        out = magnitude_scores(model, structure)
+        out.update(bn_scale_scores(model, structure))
+        return out, ["bn_scale: layers without BN scored by magnitude"]
+    if name == "random":
+        return random_scores(structure, seed=seed), []
+    if channel_scores is None:
+        raise OnnxDiagError(f"Score {name!r} needs calibration data for the channel statistics; "
+                            "pass --data FILE.")
+    out = magnitude_scores(model, structure)
+    prunable = {m for g in structure.groups if g.prunable for m in g.members}
+    fallback = sorted((set(out) - set(channel_scores)) & prunable)
+    for layer, cs in channel_scores.items():
+        out[layer] = stat_score(name, cs.scores, alpha=alpha, beta=beta)
+    notes = [f"{name}: {len(fallback)} layer(s) without channel statistics scored by "
+             f"magnitude: {', '.join(fallback[:5])}"] if fallback else []
+    return out, notes
+
+
+def stat_score(name: str, s: dict, *, alpha=DEFAULT_ALPHA, beta=DEFAULT_BETA) -> np.ndarray:
+    """One statistics-based channel score (higher = keep) from ChannelScores.scores."""
+    if name == "ix":
+        return s["input_capture"]
+    if name == "relevance":
+        return s["task_info"]
+    if name == "peer":
+        return 1.0 - s["peer_r2"]
+    return alpha * _norm(s["input_capture"]) - beta * _norm(s["task_info"])
