@@ -17,7 +17,7 @@ from onnxdiag.data.source import open_data
 from onnxdiag.errors import OnnxDiagError
 from onnxdiag.graph import analyze_structure
 from onnxdiag.model.io import get_input_specs, load_model
-from onnxdiag.runtime.executor import LocalExecutor
+from onnxdiag.runtime.executor import LocalExecutor, UnitFailure
 
 SAMPLE = get_sample()
 CALIB = str(SAMPLE.calibration)
@@ -96,10 +96,14 @@ def test_failed_shard_is_named_not_merged(model, monkeypatch):
         return fold(acc, x, t, t_null, indices, *args)
 
     monkeypatch.setattr(collect, "_fold", broken)
-    with pytest.raises(OnnxDiagError, match=r"1 of 3 statistics shards failed.*shard 1 "
-                                            r"\(batch 2, selected samples 128-191\).*disk read"):
+    # A RuntimeError in a worker is a bug, not a user error: it stops the command as a
+    # UnitFailure that keeps the worker's exception type and traceback (for --debug).
+    with pytest.raises(UnitFailure, match=r"1 of 3 statistics shards failed.*shard 1 "
+                                          r"\(batch 2, selected samples 128-191\).*disk read") as e:
         collect_channel_moments_sharded(m, structure, CALIB, executor=LocalExecutor(1),
                                         limit=LIMIT, batch_size=BATCH, n_shards=3)
+    assert e.value.error.type_name == "RuntimeError"
+    assert "raise RuntimeError(\"disk read error\")" in e.value.remote_traceback
 
 
 def _close(a, b, tol=1e-9, where="") -> None:

@@ -497,7 +497,7 @@ def collect_channel_moments_sharded(model, structure, data, *, executor, labels=
     """
     from ..data.source import open_data
     from ..model.io import get_input_specs
-    from ..runtime.executor import LocalExecutor, RayExecutor, worker_count
+    from ..runtime.executor import UnitError, raise_failures
 
     if task_samples not in TASK_SAMPLES:  # checked before the data are opened
         _check_request(task_samples, targets, None, structure, layers)
@@ -514,15 +514,14 @@ def collect_channel_moments_sharded(model, structure, data, *, executor, labels=
         n_batches = len(shipped)
     if n_batches == 0:
         raise OnnxDiagError("The calibration data has no samples; pass a non-empty --data.")
-    n_shards = max(1, min(n_shards or worker_count(executor), n_batches))
+    n_shards = max(1, min(n_shards or executor.capacity, n_batches))
     bounds = np.linspace(0, n_batches, n_shards + 1).round().astype(int)
     items = [ShardUnit(k, int(a), int(b), None if by_path else tuple(shipped[a:b]))
              for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
     del shipped
     data_args = dict(source=str(data), labels=labels, limit=limit, seed=seed,
                      batch_size=batch_size) if by_path else None
-    parallel = isinstance(executor, RayExecutor) or (
-        isinstance(executor, LocalExecutor) and worker_count(executor) > 1)
+    parallel = not executor.in_process
     settings = dict(layers=[la.node_name for la in chosen], n_positions=n_positions,
                     task_samples=task_samples, targets=resolved, seed=seed,
                     providers=providers, head=structure.head.node_name,
@@ -540,14 +539,16 @@ def collect_channel_moments_sharded(model, structure, data, *, executor, labels=
             batches = f"batch {it.start}" if it.stop - it.start == 1 else \
                 f"batches {it.start}-{it.stop - 1}"
             last = min(it.stop * bs, source.n_samples or it.stop * bs) - 1
-            errors.append(f"shard {k} ({batches}, selected samples {it.start * bs}-{last}): "
-                          f"{error}")
+            errors.append(UnitError(f"shard {k} ({batches}, selected samples "
+                                    f"{it.start * bs}-{last}): {error}",
+                                    type_name=getattr(error, "type_name", ""),
+                                    traceback=getattr(error, "traceback", ""),
+                                    user_error=getattr(error, "user_error", True)))
         else:
             results[k] = stats
-    if errors:
-        raise OnnxDiagError(f"{len(errors)} of {len(items)} statistics shards failed, so the "
-                            f"merged statistics would miss their samples; first: {errors[0]}"
-                            " — fix the cause (or run with --executor local) and rerun.")
+    raise_failures(errors, f"{len(errors)} of {len(items)} statistics shards failed, so the "
+                           "merged statistics would miss their samples; first: {first}"
+                           " — fix the cause (or run with --executor local) and rerun.")
     # Fresh accumulators (results from Ray's object store are read-only), shard order.
     merged = {la.node_name: LayerMoments(la.node_name, la.n_out, Moments(la.n_out + 2),
                                          Moments(la.n_out) if task_samples == "gap" else None)

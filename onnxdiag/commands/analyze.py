@@ -11,7 +11,7 @@ from ..report import (
     to_jsonable,
 )
 from ..report.sections import render_readouts, render_structure
-from .base import CommandResult, check_out, finish, open_source, render_header, resolve_model
+from .base import CommandResult, check_out, finish_old, open_source, render_header, resolve_model
 
 
 def inspect_model(model=None, *, head=None, features=None):
@@ -107,7 +107,7 @@ def _single_model_report(command, path, p, *, out, overwrite, write, structure_s
     table = None
     if "readouts" in sections:
         table = rows_to_csv([readout_row(path, to_jsonable(sections["readouts"]))])
-    return finish(command, report, text, text, folder, overwrite, csv=table,
+    return finish_old(command, report, text, text, folder, overwrite, csv=table,
                    csv_name="readouts.csv")
 
 

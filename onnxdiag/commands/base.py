@@ -1,22 +1,144 @@
-"""What every command shares: its result record, the report folder, data opening, the header."""
+"""What every command shares: the records its options come in, its result, the report folder.
+
+A verb function (``analyze``, ``prune_channels_report``, …) takes the model, then records:
+
+- :class:`DataRequest` — one data role (calibration ``data``, ``eval_data``,
+  ``train_data``): where the samples are and how to read them (labels, limit, seed,
+  batch size). A plain path or array is accepted wherever a request is
+  (:meth:`DataRequest.of`). ``request.open(specs)`` opens it for a model's inputs.
+- :class:`HeadChoice` — ``--head`` / ``--features`` when the head cannot be found alone.
+- :class:`Runtime` — execution providers, where units of work run, progress bars.
+- :class:`ReportTarget` — the report folder (``--out``, ``--overwrite``) or none.
+
+and returns a :class:`CommandResult`. Verb-specific options come as one record of the
+verb's own module (e.g. :class:`~onnxdiag.commands.prune_channels.ChannelPruneOptions`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import numpy as np
-
-from ..report import (
-    to_json,
-    to_jsonable,
-    write_report,
-)
+from ..report.json import to_json, to_jsonable
+from ..report.write import write_report
 
 DEFAULT_REPORT_ROOT = Path("onnxdiag-report")
 
 
-@dataclass
+# --------------------------------------------------------------------------- records
+
+@dataclass(frozen=True)
+class DataRequest:
+    """One data role: a source and how to read it (the arguments of ``open_data``).
+
+    ``source``: an .npy/.npz path, an image folder, a loader script ``file.py[:fn]``,
+    in-memory arrays ({input name: array}, with ``labels`` optional) or a reader.
+    ``labels``: a labels file or array when the source has none. ``limit``: at most this
+    many samples, a seeded random subset (``seed``). ``batch_size``: samples per run.
+    """
+
+    source: Any
+    labels: Any = None
+    limit: int | None = None
+    seed: int = 0
+    batch_size: int = 64
+
+    @classmethod
+    def of(cls, value, **fields) -> DataRequest | None:
+        """``value`` as a request: None stays None, a request is kept as given (``fields``
+        ignored), anything else becomes ``DataRequest(value, **fields)``."""
+        if value is None or isinstance(value, DataRequest):
+            return value
+        return cls(value, **fields)
+
+    def open(self, specs, *, progress: bool = False):
+        """The validated :class:`~onnxdiag.data.source.DataSource` for a model's inputs."""
+        from ..data.source import open_data
+
+        return open_data(self.source, specs, labels=self.labels, limit=self.limit,
+                         seed=self.seed, batch_size=self.batch_size, progress=progress)
+
+    @property
+    def by_path(self) -> bool:
+        """Whether another process can reopen it from its path alone (a data file or an
+        image folder; not arrays, readers or loader scripts)."""
+        return (isinstance(self.source, (str, Path))
+                and not str(self.source).split(":")[0].endswith(".py")
+                and (self.labels is None or isinstance(self.labels, (str, Path))))
+
+    def in_memory(self, source) -> DataRequest:
+        """The same request with its samples read from the opened ``source`` into arrays
+        (in order, labels included), to ship to workers that cannot read the path."""
+        arrays, labels = source.to_arrays()
+        return DataRequest(arrays, labels=labels, seed=self.seed,
+                           batch_size=source.batch_size)
+
+    def params(self) -> dict:
+        """JSON builtins for a report's parameters (arrays described, not copied)."""
+        def show(v):
+            return v if v is None or isinstance(v, (str, int, float, Path)) else \
+                f"<{type(v).__name__}>"
+        return {"source": show(self.source), "labels": show(self.labels),
+                "limit": self.limit, "seed": self.seed, "batch_size": self.batch_size}
+
+
+@dataclass(frozen=True)
+class HeadChoice:
+    """The classifier head when it cannot be found alone: its node or its features."""
+
+    head: str | None = None
+    features: str | None = None
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where and how the work runs.
+
+    ``providers``: ONNX Runtime execution providers ("cpu", "cuda,cpu"; None = CUDA when
+    available). ``executor``: ``local``, ``ray``, ``ray=HOST:PORT`` or an
+    :class:`~onnxdiag.runtime.executor.Executor`; None = the verb's default. ``jobs``:
+    worker processes (local) or CPUs (local Ray). ``progress``: progress bars on stderr.
+    """
+
+    providers: Any = None
+    executor: Any = None
+    jobs: int | None = None
+    progress: bool = True
+
+    def executor_name(self) -> str:
+        ex = self.executor
+        return getattr(ex, "name", None) or str(ex or "local")
+
+
+@dataclass(frozen=True)
+class ReportTarget:
+    """The report folder: ``out`` (default ``onnxdiag-report/<command>``), ``overwrite``
+    an existing one, or ``write=False`` for none."""
+
+    out: Any = None
+    overwrite: bool = False
+    write: bool = True
+
+    def folder(self, command: str) -> Path | None:
+        """The folder, checked before any work (raises OutputError); None without write."""
+        if not self.write:
+            return None
+        from ..report.write import check_report_folder
+
+        path = Path(self.out) if self.out else DEFAULT_REPORT_ROOT / command
+        return check_report_folder(path, overwrite=self.overwrite)
+
+
+def replace(record, **changes):
+    """A copy of a frozen record with ``changes``."""
+    return dataclasses.replace(record, **changes)
+
+
+# --------------------------------------------------------------------------- result
+
+@dataclass(frozen=True)
 class CommandResult:
     """What a command produced: the report dict, its text form and where it was written."""
 
@@ -41,37 +163,26 @@ def resolve_model(model):
     return sample.model, sample
 
 
-def check_out(out, command: str, overwrite: bool, write: bool) -> Path | None:
-    """Fail before any work when the report folder cannot be written."""
-    if not write:
-        return None
-    from ..report.write import check_report_folder
-
-    return check_report_folder(Path(out) if out else DEFAULT_REPORT_ROOT / command,
-                               overwrite=overwrite)
-
-
-def open_source(source, specs, *, labels=None, limit=None, seed=0, batch_size=64):
-    from ..data.source import open_data
-
-    return open_data(source, specs, labels=labels, limit=limit, seed=seed, batch_size=batch_size)
-
-
-def finish(command: str, report: dict, text: str, summary: str, folder,
-            overwrite, *, csv: str | None = None, csv_name: str | None = None) -> CommandResult:
-    """Write the report folder (report.json, report.txt, the CSV table when given)."""
+def finish(command: str, report: dict, text: str, folder, overwrite: bool, *,
+           summary: str | None = None, csv: str | None = None,
+           csv_name: str | None = None, files: dict | None = None) -> CommandResult:
+    """Write the report folder (report.json, report.txt, the CSV table, extra ``files``)
+    and return the result (``summary`` defaults to ``text``)."""
     if folder is not None:
-        files = {"report.json": to_json(report), "report.txt": text}
+        out = {"report.json": to_json(report), "report.txt": text}
         if csv is not None:
-            files[csv_name or f"{command}.csv"] = csv
-        write_report(folder, files, overwrite=overwrite)
-    return CommandResult(report=report, summary=summary, text=text, folder=folder, csv=csv)
+            out[csv_name or f"{command}.csv"] = csv
+        out.update(files or {})
+        write_report(folder, out, overwrite=overwrite)
+    return CommandResult(report=report, summary=text if summary is None else summary,
+                         text=text, folder=folder, csv=csv)
 
 
 def render_header(meta: dict) -> str:
+    """The first lines of every text report: tool, command, model, runtime."""
     ort = meta.get("onnxruntime") or {}
     lines = [f"onnxdiag {meta['tool_version']} {meta['command']}: {meta.get('model_path')}",
-             f"model sha256 {meta.get('model_sha256', '')[:16]}…"]
+             f"model sha256 {(meta.get('model_sha256') or '')[:16]}…"]
     if ort:
         dists = ", ".join(f"{k} {v}" for k, v in ort.get("distributions", {}).items())
         lines.append(f"ONNX Runtime {ort.get('version')} ({dists}); providers in use: "
@@ -82,12 +193,20 @@ def render_header(meta: dict) -> str:
     return "\n".join(lines) + "\n\n"
 
 
+def describe_sources(**sources) -> dict:
+    """{role: DataSource.describe()} of the sources given (None ones left out)."""
+    return {role: src.describe() for role, src in sources.items() if src is not None}
+
+
 def safe_ratio(a, b):
+    """a / b, or None when either is missing or zero."""
     return None if not a or not b else a / b
 
 
 def example_input(specs, source) -> dict:
     """A batch of 32 for latency: real data when available, else zeros of the input shape."""
+    import numpy as np
+
     if source is not None:
         feeds = next(iter(source.batches())).feeds
         if all(v.shape[0] >= 32 for v in feeds.values()):
@@ -103,6 +222,17 @@ class _Feeds(dict):
         return super().__getitem__(key)
 
 
-def describe_sources(**sources) -> dict:
-    """{role: DataSource.describe()} of the sources given (None ones left out)."""
-    return {role: src.describe() for role, src in sources.items() if src is not None}
+# --------------------------------------------------------------------------- (transition)
+# The verbs not yet converted to records call these; removed once every verb takes records.
+
+def check_out(out, command: str, overwrite: bool, write: bool) -> Path | None:
+    return ReportTarget(out, overwrite, write).folder(command)
+
+
+def open_source(source, specs, *, labels=None, limit=None, seed=0, batch_size=64):
+    return DataRequest(source, labels, limit, seed, batch_size).open(specs)
+
+
+def finish_old(command, report, text, summary, folder, overwrite, *, csv=None, csv_name=None):
+    return finish(command, report, text, folder, overwrite, summary=summary, csv=csv,
+                  csv_name=csv_name)

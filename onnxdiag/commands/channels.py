@@ -7,7 +7,7 @@ import numpy as np
 from ..channels.layers import score_collected
 from ..report import SCHEMA_VERSION, build_metadata, render_table
 from ..report.text import dict_rows_csv
-from .base import CommandResult, check_out, finish, open_source, render_header
+from .base import CommandResult, check_out, finish_old, open_source, render_header
 
 #: Echoed into every report (SPEC: "our default" choices are parameters).
 DEFAULTS = dict(n_positions=16, task_samples="match", k_peers=10, ridge=1e-3, k_clusters=4,
@@ -38,7 +38,7 @@ def channels_report(models, *, data, labels=None, limit=None, seed=0, batch_size
     from ..channels.collect import collect_channel_moments, collect_channel_moments_sharded
     from ..graph import analyze_structure
     from ..model.io import get_input_specs, load_model, model_hash
-    from ..runtime.executor import Executor, LocalExecutor, open_executor
+    from ..runtime.executor import Executor, open_executor
 
     models = [models] if isinstance(models, (str, bytes)) or not hasattr(models, "__iter__") \
         else list(models)
@@ -49,11 +49,10 @@ def channels_report(models, *, data, labels=None, limit=None, seed=0, batch_size
                   n_positions=n_positions, k_peers=k_peers, ridge=ridge, layers=layers,
                   tap=tap, executor=str(executor or "local") if not isinstance(executor, Executor)
                   else executor.name, jobs=jobs)
-    ex, own = open_executor(executor, jobs, local_jobs=1)
-    single = isinstance(ex, LocalExecutor) and (ex.jobs or 0) == 1
-    label = "Channel statistics" if progress else None
-    per_model, hashes = [], []
-    try:
+    with open_executor(executor, jobs, local_jobs=1) as ex:
+        single = ex.in_process
+        label = "Channel statistics" if progress else None
+        per_model, hashes = [], []
         for path in models:
             model = load_model(path)
             structure = analyze_structure(model, head=head, features=features)
@@ -72,9 +71,6 @@ def channels_report(models, *, data, labels=None, limit=None, seed=0, batch_size
             per_model.append((path, stats, scored, summary))
             hashes.append(model_hash(model))
         ran_on = ex.describe()
-    finally:
-        if own:
-            ex.close()
     section = _section(per_model)
     meta = build_metadata(command="channels", parameters={**params, "defaults": DEFAULTS},
                           model_path=models[-1], model_hash=hashes[-1],
@@ -83,7 +79,7 @@ def channels_report(models, *, data, labels=None, limit=None, seed=0, batch_size
     meta["executor"] = ran_on
     report = {"schema": SCHEMA_VERSION, "metadata": meta, "channels": section}
     text = render_header(meta) + render_channels(section)
-    return finish("channels", report, text, text, folder, overwrite,
+    return finish_old("channels", report, text, text, folder, overwrite,
                    csv=channel_rows_csv(per_model[-1][2]), csv_name="channels.csv")
 
 

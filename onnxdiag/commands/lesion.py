@@ -7,7 +7,7 @@ import numpy as np
 from ..channels.layers import score_collected
 from ..report import SCHEMA_VERSION, build_metadata, render_table
 from ..report.text import dict_rows_csv
-from .base import CommandResult, check_out, finish, open_source, render_header
+from .base import CommandResult, check_out, finish_old, open_source, render_header
 from .channels import fmt_nan3
 
 
@@ -72,7 +72,7 @@ def lesion_report(model, *, eval_data, layers, eval_labels=None, data=None, labe
                           model_hash=model_hash(m), data={"eval": evaluation.describe()})
     report = {"schema": SCHEMA_VERSION, "metadata": meta, "lesion": section}
     text = render_header(meta) + render_lesions(section)
-    return finish("lesion", report, text, text, folder, overwrite,
+    return finish_old("lesion", report, text, text, folder, overwrite,
                    csv=dict_rows_csv(section["rows"]), csv_name="lesions.csv")
 
 

@@ -7,7 +7,7 @@ import numpy as np
 
 from ..errors import OnnxDiagError
 from ..report import SCHEMA_VERSION, build_metadata, render_table
-from .base import CommandResult, check_out, finish, render_header
+from .base import CommandResult, check_out, finish_old, render_header
 from .pruning import (
     DEFAULTS,
     LATENCY_NOTE,
@@ -89,7 +89,7 @@ def prune_report_sparse(model, *, output, sparsity, allocation="rr", repair="cr+
     table = rows_to_csv([{"layer": k, "n_weights": alloc_d["n_params"][k],
                           "n_kept": alloc_d["n_kept"][k], "sparsity": info["layer_sparsity"][k]}
                          for k in alloc_d["layers"]])
-    return finish("prune", report, text, text, folder, overwrite, csv=table,
+    return finish_old("prune", report, text, text, folder, overwrite, csv=table,
                    csv_name="layers.csv")
 
 

@@ -11,7 +11,7 @@ from .base import (
     check_out,
     describe_sources,
     example_input,
-    finish,
+    finish_old,
     open_source,
     render_header,
     safe_ratio,
@@ -136,7 +136,7 @@ def prune_channels_report(model, *, output, ratio=0.5, score="two_axis", data=No
 
     widths = [{"layer": name, "channels_before": w[0], "channels_after": w[1]}
               for name, w in (info["record"].get("widths") or {}).items()]
-    return finish("prune-channels", report, text, text, folder, overwrite,
+    return finish_old("prune-channels", report, text, text, folder, overwrite,
                    csv=rows_to_csv(widths), csv_name="layers.csv")
 
 

@@ -21,7 +21,7 @@ from .base import (
     CommandResult,
     check_out,
     describe_sources,
-    finish,
+    finish_old,
     open_source,
     render_header,
     safe_ratio,
@@ -101,7 +101,7 @@ def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES
     from ..evaluate import evaluate_model, make_head_runner
     from ..graph import analyze_structure
     from ..model.io import get_input_specs, load_model, model_hash
-    from ..runtime.executor import LocalExecutor, RayExecutor, open_executor
+    from ..runtime.executor import open_executor
     from ..structured import plan_pruning
 
     ratios = sorted({float(r) for r in ratios})
@@ -151,9 +151,8 @@ def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES
             dense_after = finetune_model(recovered, train, epochs=epochs, lr=lr,
                                          max_batches=max_batches, seed=seed,
                                          eval_source=evaluation)[1].accuracy_after
-    ex, own = open_executor(executor, jobs, local_jobs=1)
-    single = isinstance(ex, LocalExecutor) and (ex.jobs or 0) == 1
-    try:
+    with open_executor(executor, jobs, local_jobs=1) as ex:
+        single = ex.in_process
         cs = None
         if need_stats:  # once per sweep
             if single:
@@ -195,7 +194,7 @@ def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES
             source=data, labels=labels, limit=limit, seed=seed, batch_size=batch_size)
         if single:  # the sources opened here serve every cell
             ctx.update(evaluation=evaluation, train=train, calib=calib)
-        elif isinstance(ex, RayExecutor):  # read once here, shipped once (object store)
+        elif not ex.reads_paths:  # read once here, shipped once (object store)
             ctx.update(eval_args=_materialize_source(evaluation),
                        train_args=None if train is None else _materialize_source(train),
                        calib_args=None if not recalibrate_bn else _materialize_source(calib))
@@ -213,10 +212,7 @@ def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES
                 failed.append({"score": sc, "ratio": r, "error": error})
             rows[i] = row
         ran_on = ex.describe()
-    finally:
         _CELL_CACHE.clear()  # this process's copy of the sweep (single-process cells)
-        if own:
-            ex.close()
     recovery = " + ".join(name for name, on in (("BN recalibration", recalibrate_bn),
                                                 ("fine-tuning", finetune)) if on) or None
     section = summarize_sweep(rows, dense, scores, budget, recovery, dense_after)
@@ -231,14 +227,14 @@ def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES
                                           epochs=epochs, lr=lr, max_batches=max_batches,
                                           seed=seed, limit=limit, data=data,
                                           eval_data=eval_data, train_data=train_data,
-                                          executor=executor.name if not own
-                                          else str(executor or "local"), jobs=jobs))
+                                          executor=getattr(executor, "name", None)
+                                          or str(executor or "local"), jobs=jobs))
     meta["executor"] = ran_on
     report = {"schema": SCHEMA_VERSION, "metadata": meta, "prune_sweep": section}
     text = render_header(meta) + render_sweep(section)
     from ..report.text import dict_rows_csv
 
-    return finish("prune-sweep", report, text, text, folder, overwrite, csv=dict_rows_csv(rows),
+    return finish_old("prune-sweep", report, text, text, folder, overwrite, csv=dict_rows_csv(rows),
                    csv_name="sweep.csv")
 
 

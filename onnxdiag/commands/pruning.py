@@ -7,7 +7,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import OnnxDiagError, OutputError
-from ..report import to_json
 from .base import CommandResult, finish, open_source
 
 #: SPEC C4 scan of the ``rr`` verb: coarse below 0.9, fine above (17 points).
@@ -156,12 +155,11 @@ def using(executor, jobs):
     """The executor for ``executor`` (None: this process), closed afterwards if made here."""
     from ..runtime.executor import open_executor
 
-    ex, own = (None, False) if executor is None else open_executor(executor, jobs)
-    try:
+    if executor is None:
+        yield None
+        return
+    with open_executor(executor, jobs) as ex:
         yield ex
-    finally:
-        if own:
-            ex.close()
 
 
 def cell_value(cells, S, repair, key):
@@ -189,14 +187,8 @@ def cells_csv(cells) -> str:
 def finish_files(command, report, text, folder, overwrite, files, main) -> CommandResult:
     """Write report.json, report.txt and ``files`` ({name: CSV}); ``main`` names the table
     ``--format csv`` prints."""
-    result = finish(command, report, text, text, None, overwrite, csv=files[main])
-    if folder is not None:
-        from ..report import write_report
-
-        write_report(folder, {"report.json": to_json(report), "report.txt": text, **files},
-                     overwrite=overwrite)
-        result.folder = folder
-    return result
+    return finish(command, report, text, folder, overwrite, csv=files[main], csv_name=main,
+                  files=files)
 
 
 def check_model_output(output, protect, overwrite: bool) -> Path:

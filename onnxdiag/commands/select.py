@@ -11,7 +11,7 @@ from ..report import (
     rows_to_csv,
 )
 from .analyze import readout_row
-from .base import CommandResult, check_out, finish
+from .base import CommandResult, check_out, finish_old
 
 #: Readouts shown as columns of the per-checkpoint text table.
 TABLE_READOUTS = ("head_grad", "head_grad_feature", "loss", "confidence", "entropy",
@@ -45,14 +45,10 @@ def select_report(checkpoints, *, data, labels=None, eval_data=None, eval_labels
                                                     seed=seed, batch_size=batch_size)
     options = dict(head=head, features=features, targets=targets, norm=norm,
                    include_bias=include_bias, providers=providers)
-    ex, own = open_executor(executor, jobs)
-    try:
+    with open_executor(executor, jobs) as ex:
         scored = score_checkpoints(series, probe_args, eval_args, options=options, jobs=jobs,
                                    progress=progress, executor=ex)
         ran_on = ex.describe()
-    finally:
-        if own:
-            ex.close()
     ok = [s for s in scored if s.error is None]
     if not ok:
         raise OnnxDiagError(f"No checkpoint could be scored; the first error was: "
@@ -78,7 +74,7 @@ def select_report(checkpoints, *, data, labels=None, eval_data=None, eval_labels
                           "selected": i == section.get("selected"),
                           **readout_row(s.checkpoint.path, s.result)}
                          for i, s in enumerate(ok)])
-    return finish("select", report, text, text, folder, overwrite, csv=table,
+    return finish_old("select", report, text, text, folder, overwrite, csv=table,
                    csv_name="checkpoints.csv")
 
 

@@ -8,7 +8,8 @@ are identical; Ray only changes where they run.
 
 :meth:`Executor.map` runs ``fn(item, *shared)`` for every item and yields
 ``(position, result, error)`` as units finish: a failing unit is reported with its
-error message and never loses the others' results.  ``shared`` arguments (a probe
+error message and never loses the others' results (:class:`UnitError` keeps the
+original exception's type and traceback).  ``shared`` arguments (a probe
 batch, a captured layer input, …) are shipped once: through Ray's object store, or
 copied once per worker process locally.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..errors import MissingExtraError, OnnxDiagError
@@ -51,14 +53,75 @@ def parse_executor(value: str | ExecutorSpec | None) -> ExecutorSpec:
     raise OnnxDiagError(f"Unknown executor '{value}'; use local, ray, or ray=HOST:PORT.")
 
 
+class UnitError(str):
+    """A failed unit's message, which keeps the original exception's type and traceback.
+
+    It is the ``str`` the reports show (the user error's own message, or
+    ``"Type: message"`` for anything else), so it serialises like one; ``type_name``,
+    ``traceback`` (the worker's formatted traceback) and ``user_error`` (an
+    OnnxDiagError: the user can fix it) travel with it for ``--debug`` and for
+    :func:`raise_failures`.
+    """
+
+    type_name: str
+    traceback: str
+    user_error: bool
+
+    def __new__(cls, message: str, *, type_name: str = "", traceback: str = "",
+                user_error: bool = False):
+        obj = super().__new__(cls, message)
+        obj.type_name, obj.traceback, obj.user_error = type_name, traceback, user_error
+        return obj
+
+    def __reduce__(self):  # keep the attributes across processes (pickle)
+        return (_unit_error, (str(self), self.type_name, self.traceback, self.user_error))
+
+    @classmethod
+    def of(cls, exc: BaseException) -> UnitError:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        user = isinstance(exc, OnnxDiagError)
+        text = str(exc) if user else f"{type(exc).__name__}: {exc}"
+        return cls(text, type_name=type(exc).__name__, traceback=tb, user_error=user)
+
+
+def _unit_error(message, type_name, tb, user_error):
+    return UnitError(message, type_name=type_name, traceback=tb, user_error=user_error)
+
+
+class UnitFailure(RuntimeError):
+    """A unit of work failed with a bug (not a user error): the command stops and the CLI
+    reports an internal error; ``remote_traceback`` is the worker's traceback."""
+
+    def __init__(self, message: str, error: UnitError):
+        super().__init__(message)
+        self.error = error
+        self.remote_traceback = error.traceback
+
+
+def raise_failures(errors, message: str) -> None:
+    """Stop a command whose failed units it cannot do without.
+
+    ``errors``: the failed units' :class:`UnitError` (or plain str) values, first first;
+    ``message`` says what failed (``{first}`` is replaced by the first error). When every
+    failure is a user error this raises OnnxDiagError(message); otherwise
+    :class:`UnitFailure` carrying the first bug's traceback.
+    """
+    errors = list(errors)
+    if not errors:
+        return
+    text = message.replace("{first}", str(errors[0]))
+    bugs = [e for e in errors if not getattr(e, "user_error", True)]
+    if not bugs:
+        raise OnnxDiagError(text)
+    raise UnitFailure(text, bugs[0])
+
+
 def _call(fn, item, shared):
-    """Run one unit; an exception becomes the unit's error message."""
+    """Run one unit; an exception becomes the unit's :class:`UnitError`."""
     try:
         return fn(item, *shared), None
-    except OnnxDiagError as exc:
-        return None, str(exc)
     except Exception as exc:  # noqa: BLE001 - one unit must not stop the others
-        return None, f"{type(exc).__name__}: {exc}"
+        return None, UnitError.of(exc)
 
 
 # Local process pool: the shared arguments are sent once per worker process through the
@@ -88,6 +151,34 @@ class Executor:
     def describe(self) -> dict:
         return {"kind": self.name}
 
+    @property
+    def in_process(self) -> bool:
+        """Whether every unit runs in this process, one after the other (no copies)."""
+        return False
+
+    @property
+    def capacity(self) -> int:
+        """How many units can run at once."""
+        return 1
+
+    @property
+    def reads_paths(self) -> bool:
+        """Whether every worker can open this machine's file paths (local processes: yes;
+        a Ray cluster: only with a shared filesystem, so data are shipped instead)."""
+        return False
+
+    def ship(self, request, source):
+        """What to send workers so that each can read the data of ``request`` (a
+        :class:`~onnxdiag.commands.base.DataRequest`) that this process opened as
+        ``source``: the source itself in this process; the request, when workers on this
+        machine can reopen its path; else its samples, read once here (shipped once as a
+        shared argument). Workers turn it back into a source with :func:`receive`."""
+        if self.in_process:
+            return source
+        if self.reads_paths and request.by_path:
+            return request
+        return request.in_memory(source)
+
     def close(self) -> None:
         """Release what this executor started (a local Ray instance)."""
 
@@ -108,6 +199,18 @@ class LocalExecutor(Executor):
 
     def describe(self) -> dict:
         return {"kind": "local", "jobs": self.jobs or os.cpu_count()}
+
+    @property
+    def in_process(self) -> bool:
+        return self.capacity == 1
+
+    @property
+    def capacity(self) -> int:
+        return max(1, self.jobs or os.cpu_count() or 1)
+
+    @property
+    def reads_paths(self) -> bool:
+        return True
 
     def map(self, fn, items, shared=(), *, label=None, gpu=False):
         from .progress import progress
@@ -131,7 +234,10 @@ class LocalExecutor(Executor):
                 try:
                     result, error = future.result()
                 except Exception as exc:  # noqa: BLE001 - a crashed worker process
-                    result, error = None, f"worker failed: {type(exc).__name__}: {exc}"
+                    error = UnitError.of(exc)
+                    result, error = None, UnitError(f"worker failed: {error}",
+                                                    type_name=error.type_name,
+                                                    traceback=error.traceback)
                 yield futures[future], result, error
 
 
@@ -164,6 +270,10 @@ class RayExecutor(Executor):
                                     "`ray status` on the head node and the address.") from exc
             self._started = True
 
+    @property
+    def capacity(self) -> int:
+        return max(1, int(self._ray.cluster_resources().get("CPU", 1)))
+
     def describe(self) -> dict:
         res = self._ray.cluster_resources()
         return {"kind": "ray", "address": self.address or "local",
@@ -190,8 +300,10 @@ class RayExecutor(Executor):
             try:
                 result, error = ray.get(ref)
             except Exception as exc:  # noqa: BLE001 - a task or its worker died
-                result, error = None, f"Ray task failed: {type(exc).__name__}: " \
-                                      f"{str(exc).splitlines()[0] if str(exc) else ''}"
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                result, error = None, UnitError(
+                    f"Ray task failed: {type(exc).__name__}: {first}",
+                    type_name=type(exc).__name__, traceback=str(exc))
             yield i, result, error
 
     def close(self) -> None:
@@ -202,19 +314,15 @@ class RayExecutor(Executor):
 
 def _ray_unit(fn, item, *shared):
     # Ray resolves top-level ObjectRef arguments before the call.
-    try:
-        return _call(fn, item, shared)
-    except BaseException:  # pragma: no cover - keep the message, drop the worker's frames
-        return None, traceback.format_exc(limit=1)
+    return _call(fn, item, shared)
 
 
-def worker_count(executor: Executor) -> int:
-    """How many units can run at once: local worker processes, or the Ray cluster's CPUs."""
-    if isinstance(executor, LocalExecutor):
-        return max(1, executor.jobs or os.cpu_count() or 1)
-    if isinstance(executor, RayExecutor):
-        return max(1, int(executor._ray.cluster_resources().get("CPU", 1)))
-    return 1
+def receive(shipped, specs):
+    """A worker's DataSource from what :meth:`Executor.ship` sent: the source itself, or a
+    request opened here for the model inputs ``specs``."""
+    from ..commands.base import DataRequest
+
+    return shipped.open(specs) if isinstance(shipped, DataRequest) else shipped
 
 
 def wants_gpu(providers) -> bool:
@@ -224,16 +332,23 @@ def wants_gpu(providers) -> bool:
     return "cuda" in text.lower() or "tensorrt" in text.lower()
 
 
-def open_executor(executor, jobs: int | None = None, *,
-                  local_jobs: int | None = None) -> tuple[Executor, bool]:
-    """``(executor, own)`` for a verb's ``executor`` argument: an Executor is used as given
-    (``own`` False); a spec string or None is made here (``own`` True: close it after).
-    ``local_jobs``: worker processes for ``local`` when ``jobs`` is None (1 = in process)."""
+@contextmanager
+def open_executor(executor=None, jobs: int | None = None, *,
+                  local_jobs: int | None = None) -> Iterator[Executor]:
+    """The executor for a verb's ``executor`` argument, as a context manager: an
+    :class:`Executor` is used as given (and left open); a spec string or None is made
+    here and closed on exit. ``local_jobs``: worker processes for ``local`` when ``jobs``
+    is None (None = one per core, 1 = everything in this process)."""
     if isinstance(executor, Executor):
-        return executor, False
+        yield executor
+        return
     spec = parse_executor(executor)
     n = jobs if jobs is not None or spec.kind != "local" else local_jobs
-    return make_executor(spec, jobs=n), True
+    made = make_executor(spec, jobs=n)
+    try:
+        yield made
+    finally:
+        made.close()
 
 
 def make_executor(spec: str | ExecutorSpec | None = None, *, jobs: int | None = None) -> Executor:

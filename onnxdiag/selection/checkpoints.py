@@ -151,15 +151,15 @@ def score_checkpoints(checkpoints: Sequence[Checkpoint], probe_args: dict,
     shipped once through the object store; locally each worker reads them from the
     source. Results come back in series order; failed checkpoints carry ``error``.
     """
-    from ..runtime.executor import LocalExecutor, RayExecutor, wants_gpu
+    from ..runtime.executor import LocalExecutor, wants_gpu
 
     options = dict(options or {})
     executor = executor or LocalExecutor(jobs)
     descriptions = None
-    if isinstance(executor, RayExecutor):
+    if not executor.reads_paths:
         probe_args, eval_args, descriptions = _materialize(checkpoints, probe_args, eval_args)
     n_local = max(1, min(jobs or os.cpu_count() or 1, len(checkpoints)))
-    if isinstance(executor, RayExecutor) or n_local > 1:
+    if not executor.reads_paths or n_local > 1:
         # Cores go to processes, not to ORT's intra-op threads (benchmarks/RESULTS.md).
         options.setdefault("threads", 1)
     results: dict[int, ScoredCheckpoint] = {}
