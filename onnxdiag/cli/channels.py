@@ -12,14 +12,14 @@ from .options import (
     head_options,
     library_kwargs,
     output_options,
-    sampling_options,
+    sampling_and_providers,
 )
 
 
 @cli.command()
 @click.argument("models", nargs=-1, required=True)
 @data_options(required=True)
-@sampling_options
+@sampling_and_providers
 @head_options
 @click.option("--targets", type=click.Choice(["auto", "labels", "pseudo"]), default="auto",
               show_default=True,
@@ -73,7 +73,7 @@ def channels(models, fmt, layers, **kwargs):
               help="Random channel pairs per layer for pair lesions (excess damage).")
 @data_options("eval-", required=True)
 @data_options()
-@sampling_options
+@sampling_and_providers
 @head_options
 @click.option("--targets", type=click.Choice(["auto", "labels", "pseudo"]), default="auto",
               show_default=True, help="Target of the channel scores computed on --data.")

@@ -1,74 +1,111 @@
-"""Option groups shared by the commands, each defined once, and the output of a result."""
+"""Option groups shared by the commands, each defined once, and the records they become.
+
+A command stacks the groups it needs, then turns the parsed values into the records of
+:mod:`onnxdiag.commands.base` with :func:`take_records` (which removes those keys) and
+passes what is left to its verb's own options record::
+
+    @cli.command()
+    @click.argument("model")
+    @data_options()                # --data, --labels
+    @data_options("eval-")         # --eval-data, --eval-labels
+    @sampling_options              # --limit, --seed, --batch-size
+    @runtime_options()             # --providers (runtime_options(fan_out=True): --executor, --jobs)
+    @head_options                  # --head, --features
+    @output_options                # --out, --overwrite, --format
+    def verb(model, **kw):
+        rec = take_records(kw, roles=("", "eval-"))
+        emit_result(verb_report(model, **rec.library(), options=VerbOptions(**kw)), rec.fmt)
+
+This module imports only click and the records (no numpy, onnx or onnxruntime).
+"""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import click
 
+from ..commands.base import DataRequest, HeadChoice, ReportTarget, Runtime
 from ..errors import OnnxDiagError
 
+#: role prefix -> (Python keyword of the data request, human name)
+ROLES = {"": ("data", "calibration / probe data"), "eval-": ("eval_data", "labelled evaluation data"),
+         "train-": ("train_data", "labelled training data")}
 
-def data_options(prefix: str = "", *, required: bool = False):
-    """--data/--labels (or --eval-data/--eval-labels) plus sampling options."""
+
+def _stack(f, opts):
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def data_options(role: str = "", *, required: bool = False, help: str | None = None):
+    """``--{role}data`` and ``--{role}labels`` for one data role ("", "eval-", "train-")."""
+    key = role.replace("-", "_")
+
     def decorate(f):
-        name = f"--{prefix}data" if prefix else "--data"
-        opts = [
-            click.option(name, f"{prefix.replace('-', '_')}data", required=required,
-                         help="Data: .npy/.npz, an image folder, or a loader script "
-                              "file.py[:function]."),
-            click.option(f"--{prefix}labels", f"{prefix.replace('-', '_')}labels", default=None,
-                         help="Labels file (.npy/.txt/.csv) when the data has none."),
-        ]
-        for opt in reversed(opts):
-            f = opt(f)
-        return f
+        return _stack(f, [
+            click.option(f"--{role}data", f"{key}data", required=required,
+                         help=help or f"{ROLES[role][1].capitalize()}: .npy/.npz, an image "
+                                      "folder, or a loader script file.py[:function]."),
+            click.option(f"--{role}labels", f"{key}labels", default=None,
+                         help=f"Labels file (.npy/.txt/.csv) for --{role}data when it has "
+                              "none."),
+        ])
     return decorate
 
 
 def sampling_options(f):
-    for opt in reversed([
+    """--limit (calibration data only), --seed, --batch-size."""
+    return _stack(f, [
         click.option("--limit", type=click.IntRange(min=1), default=None,
-                     help="Use at most this many samples (a seeded random subset with --seed)."),
+                     help="Use at most this many --data samples (a seeded random subset)."),
         click.option("--seed", type=int, default=0, show_default=True,
                      help="Seed for the sample subset and any random choice."),
         click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True,
                      help="Samples per ONNX Runtime run."),
-        click.option("--providers", default=None,
-                     help="Execution providers, e.g. cpu or cuda,cpu (default: CUDA when "
-                          "available, else CPU)."),
-    ]):
-        f = opt(f)
-    return f
+    ])
+
+
+def runtime_options(*, fan_out: bool = False, executor_default: str | None = None,
+                    units: str = "unit of work"):
+    """--providers; with ``fan_out``, --executor and --jobs for verbs whose units of work
+    (``units``) can run in parallel."""
+    def decorate(f):
+        opts = [click.option("--providers", default=None,
+                             help="Execution providers, e.g. cpu or cuda,cpu (default: CUDA "
+                                  "when available, else CPU).")]
+        if fan_out:
+            opts += [
+                click.option("--executor", default=executor_default,
+                             show_default=executor_default is not None,
+                             metavar="local|ray[=ADDRESS]",
+                             help=f"Where each {units} runs: local worker processes, a local "
+                                  "Ray instance (ray), or a running Ray cluster "
+                                  "(ray=HOST:PORT; needs the [ray] extra). Default: "
+                                  + ("local processes." if executor_default else
+                                     "everything in this process.")),
+                click.option("--jobs", type=click.IntRange(min=1), default=None,
+                             help="Worker processes (local) or CPUs (local Ray instance)."),
+            ]
+        return _stack(f, opts)
+    return decorate
 
 
 def head_options(f):
-    for opt in reversed([
+    """--head / --features, when the head cannot be found automatically."""
+    return _stack(f, [
         click.option("--head", default=None, metavar="NODE",
                      help="Name of the head node (the last linear layer)."),
         click.option("--features", default=None, metavar="TENSOR",
                      help="Name of the penultimate features tensor (the head's input)."),
-    ]):
-        f = opt(f)
-    return f
-
-
-def readout_options(f):
-    for opt in reversed([
-        click.option("--targets", type=click.Choice(["auto", "labels", "pseudo", "expected"]),
-                     default="auto", show_default=True,
-                     help="Head-gradient targets: labels, pseudo (argmax) or expected "
-                          "(label-free); auto = labels when the data has them."),
-        click.option("--norm", type=click.Choice(["raw", "feature", "head"]), default="feature",
-                     show_default=True, help="Head-gradient normalisation used to select."),
-        click.option("--include-bias", is_flag=True, help="Add the bias gradient to the norm."),
-    ]):
-        f = opt(f)
-    return f
+    ])
 
 
 def output_options(f):
-    for opt in reversed([
+    """--out, --overwrite, --format."""
+    return _stack(f, [
         click.option("--out", "out", default=None,
                      help="Report folder (default: ./onnxdiag-report/<command>)."),
         click.option("--overwrite", is_flag=True, help="Replace an existing report folder."),
@@ -76,19 +113,48 @@ def output_options(f):
                      default="text", show_default=True,
                      help="What to print on stdout: the text report, the JSON report, or "
                           "the command's main table as CSV."),
-    ]):
-        f = opt(f)
-    return f
+    ])
 
 
-def executor_option(f):
-    return click.option(
-        "--executor", default="local", show_default=True, metavar="local|ray[=ADDRESS]",
-        help="Where the units of work run: local worker processes, a local Ray instance "
-             "(ray), or a running Ray cluster (ray=HOST:PORT). Ray needs the [ray] extra.")(f)
+@dataclass(frozen=True)
+class Records:
+    """The records one command line gives: data requests by role, head, runtime, report."""
+
+    data: dict
+    head: HeadChoice
+    runtime: Runtime
+    report: ReportTarget
+    fmt: str
+
+    def library(self) -> dict:
+        """Keyword arguments of the verb function: ``data``/``eval_data``/``train_data``
+        (the roles the command has), ``head``, ``runtime``, ``report``."""
+        return {**self.data, "head": self.head, "runtime": self.runtime, "report": self.report}
+
+
+def take_records(kwargs: dict, *, roles=("",)) -> Records:
+    """Remove the shared options from ``kwargs`` (what is left is the verb's own) and
+    return them as records. ``--limit`` applies to the calibration role "" only; ``--seed``
+    and ``--batch-size`` to every role, and ``seed`` stays in ``kwargs`` for the verb's own
+    random choices."""
+    seed = kwargs.get("seed", 0)
+    limit, batch_size = kwargs.pop("limit", None), kwargs.pop("batch_size", 64)
+    data = {}
+    for role in roles:
+        key = role.replace("-", "_")
+        source, labels = kwargs.pop(f"{key}data", None), kwargs.pop(f"{key}labels", None)
+        data[ROLES[role][0]] = DataRequest.of(source, labels=labels,
+                                              limit=limit if role == "" else None,
+                                              seed=seed, batch_size=batch_size)
+    head = HeadChoice(kwargs.pop("head", None), kwargs.pop("features", None))
+    runtime = Runtime(providers=kwargs.pop("providers", None),
+                      executor=kwargs.pop("executor", None), jobs=kwargs.pop("jobs", None))
+    report = ReportTarget(kwargs.pop("out", None), kwargs.pop("overwrite", False))
+    return Records(data, head, runtime, report, kwargs.pop("fmt", "text"))
 
 
 def emit_result(result, fmt: str) -> None:
+    """Print a command's result (text, JSON or its CSV table) and where it was written."""
     if fmt == "json":
         click.echo(json.dumps(result.report_json_obj(), indent=2))
     elif fmt == "csv":
@@ -106,8 +172,34 @@ def emit_result(result, fmt: str) -> None:
             click.echo(f"note: {HTML_EXTRA_HINT}.", err=True)
 
 
+# --------------------------------------------------------------------------- (transition)
+# Used by the commands not yet converted to records; removed with the last of them.
+
 def library_kwargs(kwargs: dict) -> dict:
     """Drop CLI-only keys before calling the library."""
     return {k: v for k, v in kwargs.items() if k not in ("fmt",)}
 
 
+def sampling_and_providers(f):
+    """The old ``sampling_options``: --limit --seed --batch-size --providers."""
+    return runtime_options()(sampling_options(f))
+
+
+def executor_option(f):
+    return click.option(
+        "--executor", default="local", show_default=True, metavar="local|ray[=ADDRESS]",
+        help="Where the units of work run: local worker processes, a local Ray instance "
+             "(ray), or a running Ray cluster (ray=HOST:PORT). Ray needs the [ray] extra.")(f)
+
+
+def readout_options(f):
+    """--targets / --norm / --include-bias of the readout verbs."""
+    return _stack(f, [
+        click.option("--targets", type=click.Choice(["auto", "labels", "pseudo", "expected"]),
+                     default="auto", show_default=True,
+                     help="Head-gradient targets: labels, pseudo (argmax) or expected "
+                          "(label-free); auto = labels when the data has them."),
+        click.option("--norm", type=click.Choice(["raw", "feature", "head"]), default="feature",
+                     show_default=True, help="Head-gradient normalisation used to select."),
+        click.option("--include-bias", is_flag=True, help="Add the bias gradient to the norm."),
+    ])

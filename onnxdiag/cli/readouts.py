@@ -13,7 +13,7 @@ from .options import (
     library_kwargs,
     output_options,
     readout_options,
-    sampling_options,
+    sampling_and_providers,
 )
 
 
@@ -37,7 +37,7 @@ def inspect(model, head, features, as_json):
 @click.argument("model", required=False)
 @data_options()
 @data_options("eval-")
-@sampling_options
+@sampling_and_providers
 @head_options
 @readout_options
 @output_options
@@ -56,7 +56,7 @@ def analyze(model, fmt, **kwargs):
 @click.argument("model")
 @data_options(required=True)
 @data_options("eval-")
-@sampling_options
+@sampling_and_providers
 @head_options
 @readout_options
 @output_options
@@ -71,7 +71,7 @@ def readouts(model, fmt, **kwargs):
 @click.argument("checkpoints", nargs=-1, required=True)
 @data_options(required=True)
 @data_options("eval-")
-@sampling_options
+@sampling_and_providers
 @head_options
 @readout_options
 @click.option("--window", default="5", show_default=True,

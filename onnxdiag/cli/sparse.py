@@ -14,7 +14,7 @@ from .options import (
     head_options,
     library_kwargs,
     output_options,
-    sampling_options,
+    sampling_and_providers,
 )
 
 RULE_CHOICES = ("global", "uniform", "erk", "lamp", "rr", "rr-greedy", "rr-marginal")
@@ -78,7 +78,7 @@ def rr_options(f):
 @cli.command()
 @click.argument("model")
 @data_options(required=True)
-@sampling_options
+@sampling_and_providers
 @head_options
 @click.option("--grid", default=None,
               help="RR sparsities, e.g. 0:0.9:0.05,0.91:0.99:0.01 (default: SPEC C2's 28 "
@@ -116,7 +116,7 @@ def rr(model, fmt, **kwargs):
               help="Store pruned weights as sparse_initializer where that is smaller.")
 @data_options(required=True)
 @data_options("eval-")
-@sampling_options
+@sampling_and_providers
 @head_options
 @rr_options
 @output_options
@@ -145,7 +145,7 @@ def prune(model, fmt, **kwargs):
               help="Comma-separated repairs (" + ", ".join(REPAIR_CHOICES) + ").")
 @data_options(required=True)
 @data_options("eval-")
-@sampling_options
+@sampling_and_providers
 @head_options
 @rr_options
 @output_options

@@ -15,7 +15,7 @@ from .options import (
     executor_option,
     library_kwargs,
     output_options,
-    sampling_options,
+    sampling_and_providers,
 )
 
 
@@ -98,7 +98,7 @@ def _split(value: str, what: str, convert=str) -> list:
 @click.option("--plan-out", default=None, help="Also write the plan as JSON.")
 @data_options()
 @data_options("eval-")
-@sampling_options
+@sampling_and_providers
 @_head_options
 @_finetune_options
 @output_options
@@ -126,7 +126,7 @@ def prune_channels_cmd(model, fmt, **kwargs):
                    "score) are FLOPs-matched; global (per-score threshold) is not.")
 @data_options()
 @data_options("eval-", required=True)
-@sampling_options
+@sampling_and_providers
 @_head_options
 @_finetune_options
 @click.option("--jobs", type=click.IntRange(min=1), default=None,

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..report.json import to_json, to_jsonable
-from ..report.write import write_report
+# Only the standard library at import time: the CLI builds these records before any
+# numerical work (``onnxdiag --help`` imports neither numpy, onnx nor onnxruntime).
 
 DEFAULT_REPORT_ROOT = Path("onnxdiag-report")
 
@@ -150,6 +150,8 @@ class CommandResult:
     csv: str | None = None
 
     def report_json_obj(self) -> dict:
+        from ..report.json import to_jsonable
+
         return to_jsonable(self.report)
 
 
@@ -169,6 +171,9 @@ def finish(command: str, report: dict, text: str, folder, overwrite: bool, *,
     """Write the report folder (report.json, report.txt, the CSV table, extra ``files``)
     and return the result (``summary`` defaults to ``text``)."""
     if folder is not None:
+        from ..report.json import to_json
+        from ..report.write import write_report
+
         out = {"report.json": to_json(report), "report.txt": text}
         if csv is not None:
             out[csv_name or f"{command}.csv"] = csv

@@ -17,11 +17,16 @@ from ..report import to_json
 from .io import PROTOBUF_LIMIT, check_output_path, model_hash, save_model
 
 
+class EditError(RuntimeError):
+    """An edited model is invalid (fails the ONNX checker or ONNX Runtime): a bug in
+    onnxdiag, never the user's doing, so it is not an OnnxDiagError."""
+
+
 def finalize_model(model: onnx.ModelProto) -> onnx.ModelProto:
     """Clear stale value_info, re-infer shapes, run the full checker (on a copy).
 
     Raises:
-        OnnxDiagError: the edited model fails the checker (a bug or an unsupported edit).
+        EditError: the edited model fails the checker (a bug).
     """
     out = onnx.ModelProto()
     out.CopyFrom(model)
@@ -31,23 +36,54 @@ def finalize_model(model: onnx.ModelProto) -> onnx.ModelProto:
         try:
             onnx.checker.check_model(out, full_check=True)
         except onnx.checker.ValidationError as exc:
-            raise OnnxDiagError(f"The edited model fails the ONNX checker ({exc}); this is a "
-                                "bug: please report it with the command line.") from exc
+            raise EditError(f"the edited model fails the ONNX checker: {exc}") from exc
     return out
 
 
+def reload_check(model: onnx.ModelProto, feeds: dict | None = None) -> dict:
+    """Serialize ``model``, parse it back, run the full checker and open an ONNX Runtime
+    session on the bytes; with ``feeds``, its outputs must equal the in-memory model's.
+
+    Returns {"full_checker": "passed", "onnxruntime_load": "passed",
+    "max_abs_output_diff": float or None}. Raises EditError when any step fails.
+    """
+    from ..runtime.runner import OrtRunner
+
+    data = model.SerializeToString()
+    again = onnx.load_from_string(data)
+    # ONNX shape inference does not type a sparse_initializer read by a Conv, so a
+    # sparse-stored model gets the structural checker (its dense form had the full one).
+    full = len(data) < PROTOBUF_LIMIT and not again.graph.sparse_initializer
+    try:
+        onnx.checker.check_model(again, full_check=full)
+        reloaded = OrtRunner(again, providers="cpu")
+    except Exception as exc:  # noqa: BLE001 - any failure here is an invalid edit
+        raise EditError(f"the emitted model does not reload: {exc}") from exc
+    diff = None
+    if feeds is not None:
+        a, b = OrtRunner(model, providers="cpu").run(feeds), reloaded.run(feeds)
+        diff = max(float(np.max(np.abs(np.asarray(a[k], np.float64) - b[k]))) for k in a)
+    return {"full_checker" if full else "structural_checker": "passed",
+            "onnxruntime_load": "passed", "max_abs_output_diff": diff}
+
+
 def emit_model(model: onnx.ModelProto, path, *, source_path=None, sidecar: dict,
-               protect=()) -> dict:
+               protect=(), verify_feeds: dict | None = None) -> dict:
     """Save ``model`` to ``path`` atomically with ``<path>.json`` beside it.
 
-    ``sidecar`` gets the emitted model's hash, file size and the source's size; the
-    input files in ``protect`` are never overwritten. Returns the sidecar dict.
+    Before anything is written the model goes through :func:`reload_check` (with
+    ``verify_feeds``: its outputs on them are compared with the in-memory model), recorded
+    as ``checks`` in the sidecar. ``sidecar`` also gets the emitted model's path, hash and
+    file size, and the source's size; the input files in ``protect`` are never
+    overwritten. Returns the sidecar dict.
     """
+    checks = reload_check(model, verify_feeds)
     out = check_output_path(path, protect=protect)
     sidecar_path = out.with_name(out.name + ".json")
     check_output_path(sidecar_path, protect=protect)
     save_model(model, out, protect=protect)
     info = dict(sidecar)
+    info.setdefault("checks", checks)
     info["emitted"] = {"path": str(out), "sha256": model_hash(model),
                        "file_bytes": os.path.getsize(out)}
     if source_path is not None and Path(source_path).is_file():
