@@ -1,7 +1,9 @@
 """Evaluation: a model's head outputs on data, accuracy / loss, and the comparison of two models.
 
 - :func:`make_head_runner` — a runner exposing the head's features and logits.
-- :func:`evaluate_model` — top-1 accuracy and cross-entropy on labelled data.
+- :func:`evaluate` — top-1 accuracy and cross-entropy of a model (or a runner) on labelled
+  data; None without data. The one evaluation entry point of the commands.
+- :func:`evaluate_model` — the same over a head runner.
 - :func:`compare_models` — max logit difference and top-1 agreement of two models."""
 
 from __future__ import annotations
@@ -24,8 +26,6 @@ def compare_models(source_runner, emitted_runner, source, head, *, max_batches: 
     Returns max |Δlogit|, relative difference and the top-1 agreement, over at most
     ``max_batches`` batches.
     """
-    pass
-
     names = [head.features, head.logits]
     diff = scale = 0.0
     agree = n = 0
@@ -102,3 +102,24 @@ def evaluate_model(runner: OrtRunner, head, source, *, label: str | None = None)
         _, U = head_arrays(outputs, head)
         acc.update(U, batch.labels)
     return acc.result()
+
+
+def evaluate(model, head, source, *, providers=None, threads=None,
+             label: str | None = None) -> Evaluation | None:
+    """Top-1 accuracy and loss of ``model`` on the labelled DataSource ``source``.
+
+    ``model``: a ModelProto (the head's tensors are exposed on a copy), serialized bytes
+    of one, or an :class:`OrtRunner` that already outputs ``head.features`` and
+    ``head.logits``. Returns None when ``source`` is None; raises DataError on unlabelled
+    data. Never modifies ``model``.
+    """
+    if source is None:
+        return None
+    if isinstance(model, OrtRunner):
+        runner = model
+    else:
+        import onnx
+
+        proto = model if isinstance(model, onnx.ModelProto) else onnx.load_from_string(model)
+        runner = make_head_runner(proto, head, providers=providers, threads=threads)
+    return evaluate_model(runner, head, source, label=label)
