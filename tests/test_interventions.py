@@ -16,7 +16,6 @@ from onnx import helper, numpy_helper
 
 from onnxdiag.channels.interventions import (
     MIN_DAMAGE,
-    evaluate_edit,
     lesion_channels,
     lesion_study,
     substitute_channel,
@@ -25,6 +24,7 @@ from onnxdiag.channels.interventions import (
 from onnxdiag.channels.scores import peer_regression, score_layer
 from onnxdiag.data.source import open_data
 from onnxdiag.errors import OnnxDiagError
+from onnxdiag.evaluate import evaluate
 from onnxdiag.graph import analyze_structure
 from onnxdiag.model import io as model_io
 
@@ -218,7 +218,7 @@ def test_lesion_study_rows_are_consistent():
     study = lesion_study(model, structure, source, layers=["conv0", "conv1"],
                          channels={"conv0": [0, 2, 3]}, sample=3, seed=7,
                          scores={"conv0": _scores(model, conv0)}, substitute=True, pairs=2)
-    base = evaluate_edit(model, source, structure.head)
+    base = evaluate(model, structure.head, source)
     assert study.base == base
     assert [(r.layer, r.channel) for r in study.for_layer("conv0")] == \
         [("conv0", 0), ("conv0", 2), ("conv0", 3)]
@@ -226,7 +226,7 @@ def test_lesion_study_rows_are_consistent():
     dead = study.for_layer("conv0")[1]
     assert abs(dead.damage) <= 1e-7 and dead.recovery is None
     assert any("recovery undefined" in n for n in study.notes)
-    ref = evaluate_edit(lesion_channels(model, conv0, [3]), source, structure.head)
+    ref = evaluate(lesion_channels(model, conv0, [3]), structure.head, source)
     row = study.for_layer("conv0")[2]
     assert row.damage == pytest.approx(ref.loss - base.loss, abs=1e-6)
     for r in study.lesions:

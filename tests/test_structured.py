@@ -16,6 +16,8 @@ from onnx import helper, numpy_helper
 
 from onnxdiag.errors import OnnxDiagError
 from onnxdiag.graph import analyze_structure, get_group
+from onnxdiag.model.edit import ModelEditor
+from onnxdiag.model.finalize import EditError
 from onnxdiag.model.io import load_model, model_hash, save_model
 from onnxdiag.structured import (
     Plan,
@@ -29,6 +31,7 @@ from onnxdiag.structured import (
     save_plan,
     score_groups,
 )
+from onnxdiag.structured.edit import ConstantEditor
 
 _OUT_AXIS = {"oihw": 0, "oi": 0, "io": 1}
 
@@ -450,3 +453,25 @@ def test_plan_replays_to_identical_bytes(tmp_path):
     (tmp_path / "bad.json").write_text("{\"schema\": \"other\"}")
     with pytest.raises(OnnxDiagError, match="Not an onnxdiag pruning plan"):
         load_plan(tmp_path / "bad.json")
+
+
+# -- the postcondition ------------------------------------------------------------------------
+def test_site_edits_verify_that_the_removed_channels_are_gone(monkeypatch):
+    model = load_model(corpus.conv_bn_chain())
+    sites = ConstantEditor(ModelEditor(model))
+    sites.remove("conv0", 1, 0, [1, 2])
+    sites.remove("bn0", 1, 0, [1, 2])
+    sites.apply()
+    assert sites.editor.value("conv0.weight").shape == (6, 3, 3, 3)
+    sites.verify(sites.editor.model)  # the edited copy has lost them
+    with pytest.raises(EditError, match="'conv0'.*\\(8, 3, 3, 3\\)"):
+        sites.verify(model)  # the source still has them: a bug, not a user error
+    assert not issubclass(EditError, OnnxDiagError)
+
+    def broken(self, model):
+        raise EditError("rows left")
+
+    monkeypatch.setattr(ConstantEditor, "verify", broken)
+    structure = analyze_structure(model)
+    with pytest.raises(EditError, match="rows left.*leaving them out"):
+        prune_channels(model, structure, {0: [1]})

@@ -1,8 +1,10 @@
 """SPEC B5 interventions: channel lesions and peer substitution as inference-only graph edits.
 
-Every edit happens on a private copy: no function here modifies the model it is given
-(ARCHITECTURE invariant 1).  Models come from :func:`onnxdiag.model_io.load_model` (unique
-node names), ``layer`` records from :func:`onnxdiag.graph.analyze_structure` on that model.
+Every edit is made with :class:`onnxdiag.model.edit.ModelEditor` on a private copy (no
+function here modifies the model it is given) and comes back through its checked
+``finish()``: shapes re-inferred, full checker.  Models come from
+:func:`onnxdiag.model.io.load_model` (unique node names), ``layer`` records from
+:func:`onnxdiag.graph.analyze_structure` on that model.
 
 "Zero channel c" (B5 lesion) zeroes weight row c and bias entry c, and by the layer's BN:
 - ``bn_position == "after"``: also the BN's scale and shift at c, so the BN output is exactly 0
@@ -25,19 +27,18 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from ..errors import OnnxDiagError
-from ..evaluate import Evaluation, evaluate_model
-from ..graph import GraphIndex, Layer
+from ..evaluate import Evaluation, evaluate
+from ..graph import Layer
+from ..model.edit import ModelEditor
 from ..model.expose import expose_tensors
-from ..model.io import PROTOBUF_LIMIT
 from ..runtime.runner import OrtRunner
 
 #: Recovery is undefined (None) when the lesion damage is at most this (SPEC B5 ratio).
@@ -45,90 +46,20 @@ MIN_DAMAGE = 1e-6
 
 
 # -- graph editing -------------------------------------------------------------------------
-class _Base:
-    """What every edit of one model shares: the model, its index and tensor use counts."""
-
-    def __init__(self, model: onnx.ModelProto):
-        self.model, self.index, self.uses = model, GraphIndex(model), _use_counts(model.graph)
-
-
-def _use_counts(graph: onnx.GraphProto) -> Counter:
-    """How many node inputs (subgraphs included) and graph outputs read each tensor."""
-    uses = Counter(o.name for o in graph.output)
-    for node in graph.node:
-        uses.update(n for n in node.input if n)
-        for attr in node.attribute:
-            for sub in (*([attr.g] if attr.HasField("g") else []), *attr.graphs):
-                uses.update(_use_counts(sub))
-    return uses
+def _constant(ed: ModelEditor, tensor: str) -> np.ndarray:
+    value = ed.value(tensor)
+    if value is None:
+        raise OnnxDiagError(f"Tensor {tensor!r} is not a constant; only layers with constant "
+                            "weights, biases and BN parameters can be edited.")
+    return value
 
 
-class _Editor:
-    """A private copy of ``base.model`` with copy-on-write constant edits and node inserts."""
-
-    def __init__(self, base: _Base):
-        self.base, self.model = base, onnx.ModelProto()
-        self.model.CopyFrom(base.model)
-        self.nodes = {n.name: n for n in self.model.graph.node}
-        self.inits = {t.name: t for t in self.model.graph.initializer}
-        self.uses, self.values, self.taken = Counter(base.uses), {}, set()
-
-    def unique(self, stem: str) -> str:
-        name, k, index = stem, 1, self.base.index
-        while index.is_tensor(name) or name in index.node_by_name or name in self.taken:
-            name, k = f"{stem}_{k}", k + 1
-        self.taken.add(name)
-        return name
-
-    def value(self, tensor: str) -> np.ndarray:
-        value = self.values.get(tensor)
-        value = self.base.index.get_constant(tensor) if value is None else value
-        if value is None:
-            raise OnnxDiagError(f"Tensor {tensor!r} is not a constant; only layers with constant "
-                                "weights, biases and BN parameters can be edited.")
-        return value
-
-    def edit_input(self, node_name: str, slot: int, fn: Callable[[np.ndarray], np.ndarray]):
-        """Replace input ``slot`` of a node by ``fn(copy of its value)``; copy-on-write."""
-        node = self.nodes[node_name]
-        name = node.input[slot]
-        value = np.ascontiguousarray(fn(np.array(self.value(name))))
-        if name in self.inits and self.uses[name] == 1:  # read by this node only: in place
-            self.inits[name].CopyFrom(numpy_helper.from_array(value, name))
-            self.values[name] = value
-            return
-        node.input[slot] = self.add_initializer(f"{name}_edited", value)
-        self.uses[name] -= 1
-
-    def add_initializer(self, stem: str, value: np.ndarray) -> str:
-        name = self.unique(stem)
-        self.model.graph.initializer.append(numpy_helper.from_array(value, name))
-        self.values[name], self.uses[name] = value, 1
-        return name
-
-    def insert_after(self, node_name: str, nodes: Sequence[onnx.NodeProto]) -> None:
-        graph = self.model.graph  # nodes stay topologically sorted
-        at = next(i for i, n in enumerate(graph.node) if n.name == node_name) + 1
-        for k, node in enumerate(nodes):
-            graph.node.insert(at + k, node)
-
-
-def _edited(model: onnx.ModelProto, edit: Callable[[_Editor], None]) -> onnx.ModelProto:
-    """``edit`` applied to a copy; stale initializer shapes cleared, shapes re-inferred and
-    the full checker passed (models < 2 GiB: in-memory checking cannot serialise more)."""
-    ed = _Editor(_Base(model))
-    edit(ed)
-    model = ed.model
-    inits = {t.name for t in model.graph.initializer}
-    keep = [v for v in model.graph.value_info if v.name not in inits]
-    del model.graph.value_info[:]
-    model.graph.value_info.extend(keep)
-    if model.ByteSize() >= PROTOBUF_LIMIT:
-        return model
-    model = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True,
-                                              data_prop=True)
-    onnx.checker.check_model(model, full_check=True)
-    return model
+def _edit_input(ed: ModelEditor, node_name: str, slot: int,
+                fn: Callable[[np.ndarray], np.ndarray]) -> None:
+    """Input ``slot`` of a node becomes ``fn(copy of its value)``, copy-on-write."""
+    name = ed.node(node_name).input[slot]
+    value = np.ascontiguousarray(fn(_constant(ed, name)))
+    ed.set_input(node_name, slot, value, stem=f"{name}_edited")
 
 
 # -- lesion --------------------------------------------------------------------------------
@@ -167,16 +98,16 @@ def _zero_entries(v: np.ndarray, chans: np.ndarray, n_out: int | None = None) ->
     return flat.reshape(v.shape)
 
 
-def _apply_lesion(ed: _Editor, layer: Layer, chans: np.ndarray) -> None:
-    ed.edit_input(layer.node_name, 1, lambda w: _zero_weight(w, layer, chans))
+def _apply_lesion(ed: ModelEditor, layer: Layer, chans: np.ndarray) -> None:
+    _edit_input(ed, layer.node_name, 1, lambda w: _zero_weight(w, layer, chans))
     if layer.bias is not None:
         owner = layer.bias_node or layer.node_name
-        slot = list(ed.nodes[owner].input).index(layer.bias)
+        slot = list(ed.node(owner).input).index(layer.bias)
         n_out = None if layer.bias_node else layer.n_out
-        ed.edit_input(owner, slot, lambda b: _zero_entries(b, chans, n_out))
+        _edit_input(ed, owner, slot, lambda b: _zero_entries(b, chans, n_out))
     if layer.bn_position == "after":  # BN scale and shift 0 → BN output exactly 0
         for slot in (1, 2):
-            ed.edit_input(layer.bn_node, slot, lambda v: _zero_entries(v, chans))
+            _edit_input(ed, layer.bn_node, slot, lambda v: _zero_entries(v, chans))
 
 
 def lesion_note(layer: Layer) -> str:
@@ -199,7 +130,9 @@ def lesion_channels(model: onnx.ModelProto, layer: Layer, channels: Sequence[int
     Raises OnnxDiagError for a channel out of range or a non-constant parameter.
     """
     chans = _check_channels(layer, channels)
-    return _edited(model, lambda ed: _apply_lesion(ed, layer, chans))
+    ed = ModelEditor(model)
+    _apply_lesion(ed, layer, chans)
+    return ed.finish()
 
 
 # -- substitution --------------------------------------------------------------------------
@@ -222,10 +155,10 @@ def _substitution_matrix(layer: Layer, channels, peers, beta, intercept):
     return matrix, bias
 
 
-def _apply_substitution(ed: _Editor, layer: Layer, matrix, bias) -> None:
-    dtype = ed.value(layer.weight).dtype
+def _apply_substitution(ed: ModelEditor, layer: Layer, matrix, bias) -> None:
+    dtype = _constant(ed, layer.weight).dtype
     pre = ed.unique(f"{layer.output}_presub")
-    ed.nodes[layer.node_name].output[0] = pre  # the new node produces the original name
+    ed.set_output(layer.node_name, 0, pre)  # the new node produces the original name
     name = ed.unique(f"{layer.node_name}_substitute")
     b = ed.add_initializer(f"{name}.bias", bias.astype(dtype))
     if layer.op_type.startswith("Conv"):
@@ -251,7 +184,9 @@ def substitute_channels(model: onnx.ModelProto, layer: Layer, channels: Sequence
     Raises ValueError for inconsistent coefficients, OnnxDiagError for bad channels.
     """
     matrix, bias = _substitution_matrix(layer, channels, peers, beta, intercept)
-    return _edited(model, lambda ed: _apply_substitution(ed, layer, matrix, bias))
+    ed = ModelEditor(model)
+    _apply_substitution(ed, layer, matrix, bias)
+    return ed.finish()
 
 
 def substitute_channel(model: onnx.ModelProto, layer: Layer, channel: int,
@@ -262,23 +197,7 @@ def substitute_channel(model: onnx.ModelProto, layer: Layer, channel: int,
     return substitute_channels(model, layer, [channel], [peers], [beta], [intercept])
 
 
-# -- evaluation ----------------------------------------------------------------------------
-def evaluate_edit(model_or_runner, eval_source, head, *, providers=None,
-                  label: str | None = None) -> Evaluation:
-    """Top-1 accuracy and mean cross-entropy of the head's logits on labelled data.
-
-    ``model_or_runner``: an OrtRunner whose outputs include ``head.features`` and
-    ``head.logits``, a ModelProto (they are exposed on a copy), or serialized bytes of a
-    model that already outputs them.  Raises DataError on unlabelled data.
-    """
-    runner = model_or_runner
-    if not isinstance(runner, OrtRunner):
-        if isinstance(runner, onnx.ModelProto):
-            runner = expose_tensors(runner, [head.features, head.logits])
-        runner = OrtRunner(runner, providers=providers)
-    return evaluate_model(runner, head, eval_source, label=label)
-
-
+# -- records ---------------------------------------------------------------------------------
 class _Record:
     def to_dict(self) -> dict:
         return asdict(self)
@@ -345,21 +264,21 @@ class LesionStudy(_Record):
 
 # -- the study -----------------------------------------------------------------------------
 class _Study:
-    """A session per edited model, built from bytes with no shape inference and no checker
-    (lesions and substitutions keep every shape; the public edit functions check)."""
+    """One ORT session per edited model, built from the bytes of :meth:`ModelEditor.finish`
+    (each edit checked in full; the base model is a no-op edit, evaluated once)."""
 
     def __init__(self, model, structure, source, providers):
         self.head, self.source, self.providers, self.times = structure.head, source, providers, []
-        self.base = _Base(expose_tensors(model, [self.head.features, self.head.logits]))
+        self.base = expose_tensors(model, [self.head.features, self.head.logits])
         self.base_eval = self.evaluate(lambda ed: None)
         self.base_seconds = self.times.pop()
 
-    def evaluate(self, edit: Callable[[_Editor], None]) -> Evaluation:
+    def evaluate(self, edit: Callable[[ModelEditor], None]) -> Evaluation:
         start = time.perf_counter()
-        ed = _Editor(self.base)
+        ed = ModelEditor(self.base)
         edit(ed)
-        runner = OrtRunner(ed.model.SerializeToString(), providers=self.providers)
-        result = evaluate_model(runner, self.head, self.source)
+        runner = OrtRunner(ed.finish().SerializeToString(), providers=self.providers)
+        result = evaluate(runner, self.head, self.source)
         self.times.append(time.perf_counter() - start)
         return result
 

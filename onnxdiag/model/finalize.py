@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from ..errors import OnnxDiagError
 from ..report import to_json
 from .io import PROTOBUF_LIMIT, check_output_path, model_hash, save_model
 
@@ -23,20 +22,27 @@ class EditError(RuntimeError):
 
 
 def finalize_model(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Clear stale value_info, re-infer shapes, run the full checker (on a copy).
+    """A copy of an edited ``model`` with every value_info cleared, shapes re-inferred
+    (strict, types checked, data propagated) and the full checker passed.  A model of
+    2 GiB or more comes back cleared but unchecked (in-memory checking cannot serialise
+    it).  Every edit ends here: :meth:`onnxdiag.model.edit.ModelEditor.finish` calls it.
 
     Raises:
-        EditError: the edited model fails the checker (a bug).
+        EditError: the edited model fails shape inference or the checker (a bug).
     """
     out = onnx.ModelProto()
     out.CopyFrom(model)
     del out.graph.value_info[:]
-    if out.ByteSize() < PROTOBUF_LIMIT:
-        out = onnx.shape_inference.infer_shapes(out, strict_mode=True)
-        try:
-            onnx.checker.check_model(out, full_check=True)
-        except onnx.checker.ValidationError as exc:
-            raise EditError(f"the edited model fails the ONNX checker: {exc}") from exc
+    if out.ByteSize() >= PROTOBUF_LIMIT:
+        return out
+    try:
+        out = onnx.shape_inference.infer_shapes(out, check_type=True, strict_mode=True,
+                                                data_prop=True)
+        onnx.checker.check_model(out, full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+        raise EditError(f"the edited model fails the ONNX checker: "
+                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                        ) from exc
     return out
 
 
@@ -131,19 +137,20 @@ def check_sparse_copy(sparse: onnx.ModelProto, dense: onnx.ModelProto, feeds: di
     dense-stored ``dense`` on ``feeds``: {"max_abs_output_diff": float}.
 
     Raises:
-        OnnxDiagError: the sparse copy fails the checker or differs from the dense one.
+        EditError: the sparse copy fails the checker or differs from the dense one (a bug
+            of :func:`store_sparse`; the message says how to emit without it).
     """
     from ..runtime.runner import OrtRunner
 
     try:
         onnx.checker.check_model(sparse)
     except onnx.checker.ValidationError as exc:
-        raise OnnxDiagError(f"The sparse-initializer copy fails the ONNX checker ({exc}); "
+        raise EditError(f"the sparse-initializer copy fails the ONNX checker ({exc}); "
                             "emit without --sparse-initializers.") from exc
     a = OrtRunner(dense, providers="cpu").run(feeds)
     b = OrtRunner(sparse, providers="cpu").run(feeds)
     diff = max(float(np.max(np.abs(np.asarray(a[k], np.float64) - b[k]))) for k in a)
     if not diff <= 1e-4 * max(1.0, max(float(np.max(np.abs(v))) for v in a.values())):
-        raise OnnxDiagError(f"The sparse-initializer copy differs from the dense one by {diff}; "
+        raise EditError(f"the sparse-initializer copy differs from the dense one by {diff}; "
                             "emit without --sparse-initializers.")
     return {"max_abs_output_diff": diff}

@@ -13,10 +13,10 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from ..errors import OnnxDiagError
 from ..graph import GraphIndex
+from ..model.edit import ModelEditor
 from .budget import LayerInfo, prune_count
 
 
@@ -125,90 +125,25 @@ def apply_masks(model: onnx.ModelProto, masks: Mapping[str, np.ndarray]) -> onnx
 
     ``masks`` maps a layer's node name to a bool mask of its weight's stored shape.  A
     weight initializer shared with another node (or reached through Identity / a
-    Constant node) gets its own copy first, so only the named layer changes.  Never
-    modifies ``model``.
+    Constant node) gets its own copy first, so only the named layer changes.  The copy
+    comes back through the editor's checked ``finish()``.  Never modifies ``model``.
 
     Raises:
         OnnxDiagError: an unknown node name or a mask of the wrong shape.
     """
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    index = GraphIndex(out)
-    uses = count_uses(out)
-    used_before = {name for name, n in uses.items() if n > 0}
+    editor = ModelEditor(model)
+    write_masks(editor, masks)
+    return editor.finish()
+
+
+def write_masks(editor: ModelEditor, masks: Mapping[str, np.ndarray]) -> None:
+    """Zero each masked layer's weight in ``editor`` (see :func:`apply_masks`)."""
     for name, mask in masks.items():
-        node = index.get_node(name)
-        weight = index.get_constant(node.input[1])
+        node = editor.node(name)
+        weight = editor.value(node.input[1])
         mask = np.asarray(mask, dtype=bool)
         if weight is None or mask.shape != weight.shape:
             raise OnnxDiagError(
                 f"Mask for layer {name!r} has shape {mask.shape}, but its weight is "
                 f"{None if weight is None else weight.shape}; masks use the stored weight shape.")
-        set_input_constant(out, node, 1, np.where(mask, weight, 0).astype(weight.dtype), uses)
-    drop_dead_constants(out, uses, used_before)
-    return out
-
-
-def drop_dead_constants(model: onnx.ModelProto, uses: Counter, used_before: set[str]) -> None:
-    """Remove (in place) Constant / Identity nodes and initializers that were read before an
-    edit (``used_before``) and no longer are: left behind when a weight reached through them
-    was replaced.  Whatever was already unused stays."""
-    graph = model.graph
-    changed = True
-    while changed:
-        changed = False
-        for node in list(graph.node):
-            if node.op_type in ("Constant", "Identity") and all(
-                    uses[t] <= 0 and t in used_before for t in node.output):
-                uses.subtract(t for t in node.input if t)
-                graph.node.remove(node)
-                changed = True
-    inputs = {v.name for v in graph.input}
-    for init in list(graph.initializer):
-        if uses[init.name] <= 0 and init.name in used_before and init.name not in inputs:
-            graph.initializer.remove(init)
-
-
-def count_uses(model: onnx.ModelProto) -> Counter:
-    """How many node inputs (subgraphs included) and graph outputs read each tensor name."""
-    uses: Counter = Counter(o.name for o in model.graph.output)
-
-    def walk(graph):
-        for node in graph.node:
-            uses.update(t for t in node.input if t)
-            for attr in node.attribute:
-                for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                    walk(sub)
-
-    walk(model.graph)
-    return uses
-
-
-def set_input_constant(model: onnx.ModelProto, node: onnx.NodeProto, input_index: int,
-                       value: np.ndarray, uses: Counter | None = None) -> str:
-    """Make ``node.input[input_index]`` of ``model`` (edited in place) hold ``value``.
-
-    The initializer is overwritten when this input is its only reader; otherwise (a
-    shared initializer, an Identity / Constant source, or a missing optional input) a
-    new uniquely named initializer is added and the input rewired to it.  ``uses``
-    (from :func:`count_uses`) is updated.  Returns the initializer's name.
-    """
-    uses = count_uses(model) if uses is None else uses
-    inits = {t.name: t for t in model.graph.initializer}
-    while len(node.input) <= input_index:
-        node.input.append("")
-    name = node.input[input_index]
-    if name and name in inits and uses[name] == 1:
-        inits[name].CopyFrom(numpy_helper.from_array(np.asarray(value), name))
-        return name
-    base = f"{name or node.name + '_input' + str(input_index)}_{node.name}"
-    new, i = base, 1
-    taken = set(inits) | set(uses)
-    while new in taken:
-        new, i = f"{base}_{i}", i + 1
-    model.graph.initializer.append(numpy_helper.from_array(np.asarray(value), new))
-    if name:
-        uses[name] -= 1
-    uses[new] += 1
-    node.input[input_index] = new
-    return new
+        editor.set_input(name, 1, np.where(mask, weight, 0).astype(weight.dtype))

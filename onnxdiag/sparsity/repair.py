@@ -34,10 +34,11 @@ import onnx
 from ..errors import DataError, OnnxDiagError
 from ..graph import GraphIndex
 from ..graph._records import jsonable
+from ..model.edit import ModelEditor
 from ..model.expose import expose_tensors
 from ..runtime.runner import OrtRunner
 from ..stats import Moments
-from .masks import apply_masks, count_uses, set_input_constant
+from .masks import write_masks
 from .segments import SegmentedPass
 
 METHODS = ("none", "bn", "cr", "cr+bn", "layer-cr", "layer-cr+bn", "shrunk-cr", "shrunk-cr+bn")
@@ -155,14 +156,16 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
             samples (all when None) are held in memory for the sequential pass.
         method: one of ``METHODS``; alpha_cap: CR's cap on α (**our default** 100).
 
-    Returns the repaired copy (``model`` is never modified) and its :class:`RepairRecord`.
+    Returns the repaired copy (``model`` is never modified; masks and repairs are one
+    edit, checked once by ``ModelEditor.finish``) and its :class:`RepairRecord`.
     """
     cr_kind, with_bn = parse_method(method)
     if recalibrate not in RECALIBRATE:
         raise OnnxDiagError(f"recalibrate must be one of {', '.join(RECALIBRATE)}.")
-    pruned = apply_masks(model, masks)
+    editor = ModelEditor(model)
+    write_masks(editor, masks)
     batches = collect_batches(calib_source, n_images)
-    index = GraphIndex(pruned)
+    index = editor.index
     affected = _affected(index, [n for n, m in masks.items() if not np.all(m)])
     convs = [la for la in structure.layers if la.node_name in masks and la.op_type == "Conv"
              and not la.is_head and la.output in affected]
@@ -173,23 +176,23 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
     passes = {"dense": int(bool(repaired)), "sequential": int(bool(repaired or bns)),
               "segments": 0}
     if not (repaired or bns):
-        return pruned, RepairRecord(method, alpha_cap, recalibrate, n, {}, {}, passes)
+        return editor.finish(), RepairRecord(method, alpha_cap, recalibrate, n, {}, {}, passes)
     dense = _dense_moments(model, repaired, batches, providers, threads)
     done_layers, done_bns, passes["segments"] = _sequential(
-        pruned, index, batches, repaired, dense, bns, cr_kind, with_bn, alpha_cap, providers,
+        editor, index, batches, repaired, dense, bns, cr_kind, with_bn, alpha_cap, providers,
         threads)
-    return pruned, RepairRecord(method, alpha_cap, recalibrate, n, done_layers, done_bns, passes)
+    return editor.finish(), RepairRecord(method, alpha_cap, recalibrate, n, done_layers,
+                                         done_bns, passes)
 
 
-def _sequential(model, index, batches, convs, dense, bns, cr_kind, with_bn, alpha_cap,
+def _sequential(editor, index, batches, convs, dense, bns, cr_kind, with_bn, alpha_cap,
                 providers, threads) -> tuple[dict, dict, int]:
-    """Repair ``convs`` (to ``dense`` moments) and recalibrate ``bns`` of ``model`` (edited
-    in place) in topological order, each measured with the upstream repairs in place;
+    """Repair ``convs`` (to ``dense`` moments) and recalibrate ``bns`` of the model in
+    ``editor`` in topological order, each measured with the upstream repairs in place;
     returns (LayerRepair per conv, BNRepair per BN, sessions run)."""
-    seg = SegmentedPass(model, batches, providers=providers, threads=threads)
+    seg = SegmentedPass(editor.model, batches, providers=providers, threads=threads)
     items = sorted([(seg.position(la.output), 0, i) for i, la in enumerate(convs)]
                    + [(seg.position(b.input[0]), 1, i) for i, b in enumerate(bns)])
-    uses = count_uses(model)
     done_layers, done_bns = {}, {}
     for pos, kind, i in items:
         tensor = convs[i].output if kind == 0 else bns[i].input[0]
@@ -197,9 +200,9 @@ def _sequential(model, index, batches, convs, dense, bns, cr_kind, with_bn, alph
         if kind == 0:
             la = convs[i]
             done_layers[la.node_name] = _repair_conv(
-                seg, index, la, dense[la.node_name], cr_kind, with_bn, alpha_cap, uses)
+                seg, editor, index, la, dense[la.node_name], cr_kind, with_bn, alpha_cap)
         else:
-            done_bns[bns[i].name] = _recalibrate_bn(seg, bns[i], uses)
+            done_bns[bns[i].name] = _recalibrate_bn(seg, editor, bns[i])
     return done_layers, done_bns, seg.n_segments
 
 
@@ -223,16 +226,15 @@ def recalibrate_batchnorm(model: onnx.ModelProto, calib_source, *, dense_model=N
     when None) are held in memory. ``head``: the head node (never re-standardised; default
     the detected one). ``dense_moments``: :func:`conv_output_moments` of the dense model on
     the same samples, when already computed (e.g. once for many pruned variants).
-    Returns a copy (``model`` is never modified) and a :class:`RepairRecord` (method
-    "bn", recalibrate "all").
+    Returns a checked copy (``model`` is never modified) and a :class:`RepairRecord`
+    (method "bn", recalibrate "all").
     """
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
+    editor = ModelEditor(model)
     batches = collect_batches(calib_source, n_images)
     n = sum(_batch_len(b) for b in batches)
-    index = GraphIndex(out)
+    index = editor.index
     bns = [node for node in index.nodes if node.op_type == "BatchNormalization"]
-    folded = _convs_without_bn(out, head)
+    folded = _convs_without_bn(editor.model, head)
     notes = []
     if folded and dense_model is None:
         notes.append(f"{len(folded)} conv(s) without BatchNormalization left as they are "
@@ -241,8 +243,9 @@ def recalibrate_batchnorm(model: onnx.ModelProto, calib_source, *, dense_model=N
     if not bns and not folded:
         notes.append("no BatchNormalization node (BN folded into the convs?): nothing to "
                      "recalibrate")
-        return out, RepairRecord("bn", alpha_cap, "all", n, {}, {},
-                                 {"dense": 0, "sequential": 0, "segments": 0}, tuple(notes))
+        return editor.finish(), RepairRecord("bn", alpha_cap, "all", n, {}, {},
+                                             {"dense": 0, "sequential": 0, "segments": 0},
+                                             tuple(notes))
     dense = {}
     if folded:
         full = dense_moments if dense_moments is not None else conv_output_moments(
@@ -258,9 +261,9 @@ def recalibrate_batchnorm(model: onnx.ModelProto, calib_source, *, dense_model=N
                 raise OnnxDiagError(f"Conv {la.node_name!r} has {la.n_out} output channels "
                                     f"but {len(keep)} kept channels were given.")
             dense[la.node_name] = full[la.node_name].select(keep)
-    done_layers, done_bns, segments = _sequential(out, index, batches, folded, dense, bns,
+    done_layers, done_bns, segments = _sequential(editor, index, batches, folded, dense, bns,
                                                   None, True, alpha_cap, providers, threads)
-    return out, RepairRecord("bn", alpha_cap, "all", n, done_layers, done_bns,
+    return editor.finish(), RepairRecord("bn", alpha_cap, "all", n, done_layers, done_bns,
                              {"dense": int(bool(folded)), "sequential": 1,
                               "segments": segments}, tuple(notes))
 
@@ -338,20 +341,18 @@ def _dense_moments(model, layers, batches, providers, threads) -> dict[str, Mome
     return {la.node_name: _moments([o[la.output] for o in outs]) for la in layers}
 
 
-def _repair_conv(seg: SegmentedPass, index: GraphIndex, layer, dense: Moments, cr_kind,
-                 with_bn: bool, cap: float, uses) -> LayerRepair:
-    model = seg.model
+def _repair_conv(seg: SegmentedPass, editor: ModelEditor, index: GraphIndex, layer,
+                 dense: Moments, cr_kind, with_bn: bool, cap: float) -> LayerRepair:
     node = index.get_node(layer.node_name)
     pruned = _moments(seg.frontier[layer.output])
     vd, vp = dense.var(), pruned.var()
     affine = with_bn and layer.bn_node is None
     alpha = cr_alpha(cr_kind or "channel", vd, vp, cap)
-    w = _value(model, node.input[1])
-    set_input_constant(model, node, 1, (w * alpha.reshape(-1, *[1] * (w.ndim - 1)))
-                       .astype(w.dtype), uses)
+    w = _value(editor, node.input[1])
+    editor.set_input(node.name, 1, (w * alpha.reshape(-1, *[1] * (w.ndim - 1))).astype(w.dtype))
     add_node, bias_pos = _bias_holder(index, layer, node)
     holder = add_node or node
-    b = _value(model, holder.input[bias_pos]) if bias_pos is not None else None
+    b = _value(editor, holder.input[bias_pos]) if bias_pos is not None else None
     b_flat = np.zeros(alpha.shape) if b is None else b.astype(np.float64).reshape(-1)
     shift = np.zeros(alpha.shape)
     if affine:  # y_full' = α (y_full − μ^p_full) + μ^d_full, μ_full = μ(y) + Add bias
@@ -361,8 +362,8 @@ def _repair_conv(seg: SegmentedPass, index: GraphIndex, layer, dense: Moments, c
         new_b = alpha * b_flat + shift
         dtype = w.dtype if b is None else b.dtype
         shape = (-1,) if b is None else b.shape
-        set_input_constant(model, holder, 2 if bias_pos is None else bias_pos,
-                           new_b.reshape(shape).astype(dtype), uses)
+        editor.set_input(holder.name, 2 if bias_pos is None else bias_pos,
+                         new_b.reshape(shape).astype(dtype))
     in_conv = shift if add_node is None else np.zeros(alpha.shape)
     scale = alpha.reshape(1, -1, *[1] * (w.ndim - 2)).astype(np.float32)
     offset = in_conv.reshape(1, -1, *[1] * (w.ndim - 2)).astype(np.float32)
@@ -382,20 +383,17 @@ def _bias_holder(index: GraphIndex, layer, node) -> tuple:
     return None, None
 
 
-def _value(model: onnx.ModelProto, name: str) -> np.ndarray:
-    for init in model.graph.initializer:
-        if init.name == name:
-            return onnx.numpy_helper.to_array(init).copy()
-    value = GraphIndex(model).get_constant(name)  # Identity / Constant sources
+def _value(editor: ModelEditor, name: str) -> np.ndarray:
+    value = editor.value(name)  # initializers, Identity / Constant sources
     if value is None:
         raise OnnxDiagError(f"Tensor {name!r} is not a constant; cannot fold a repair into it.")
-    return np.array(value)
+    return value
 
 
-def _recalibrate_bn(seg: SegmentedPass, bn, uses) -> BNRepair:
+def _recalibrate_bn(seg: SegmentedPass, editor: ModelEditor, bn) -> BNRepair:
     acc = _moments(seg.frontier[bn.input[0]])
     mean, var = acc.mean, acc.var()
     for pos, value in ((3, mean), (4, var)):
-        old = _value(seg.model, bn.input[pos])
-        set_input_constant(seg.model, bn, pos, value.reshape(old.shape).astype(old.dtype), uses)
+        old = _value(editor, bn.input[pos])
+        editor.set_input(bn.name, pos, value.reshape(old.shape).astype(old.dtype))
     return BNRepair(bn.name, mean, var, acc.n)

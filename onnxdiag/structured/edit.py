@@ -1,4 +1,5 @@
-"""Copy-on-write edits of constant node inputs (SPEC B6 physical channel removal).
+"""Site edits of constant node inputs (SPEC B6 physical channel removal), written through
+:class:`~onnxdiag.model.edit.ModelEditor`.
 
 An edit is asked for a *use site*: input ``input_index`` of node ``node_name``.  The
 constant behind it (an initializer, possibly through Identity nodes, a Constant node,
@@ -6,8 +7,8 @@ or a value folded from constants) gets sliced or replaced for that site only.  W
 every use of an initializer asks for the same edit, the initializer is edited in
 place and keeps its name; otherwise each distinct edit gets its own copy (a new
 initializer) and the sites asking for it are rewired, so a shared initializer never
-changes under a node that did not ask.  Nodes and initializers left unused by the
-rewiring are removed; ones that were already unused are left alone.
+changes under a node that did not ask.  Constants left unused by the rewiring are
+removed by ``ModelEditor.finish``; ones that were already unused are left alone.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from ..errors import OnnxDiagError
 from ..graph import GraphIndex
+from ..model.edit import ModelEditor
+from ..model.finalize import EditError
 
 Site = tuple[str, int]  # (node_name, input_index)
 
@@ -49,16 +51,20 @@ class SiteEdit:
 
 
 class ConstantEditor:
-    """Collects :class:`SiteEdit` requests on ``model`` (edited in place by :meth:`apply`).
+    """Collects :class:`SiteEdit` requests and writes them into ``editor`` (:meth:`apply`).
 
-    ``model`` must be a private copy: the editor writes into it.
+    Requests refer to the model as it is when the ConstantEditor is made (``index``, a
+    snapshot); :meth:`verify` checks a finished model against what was written.
     """
 
-    def __init__(self, model: onnx.ModelProto):
-        self.model = model
-        self.index = GraphIndex(model)
+    def __init__(self, editor: ModelEditor):
+        self.editor = editor
+        snapshot = onnx.ModelProto()
+        snapshot.CopyFrom(editor.model)
+        self.index = GraphIndex(snapshot)
         self.edits: dict[Site, SiteEdit] = {}
         self.copied: list[str] = []
+        self.expected: dict[Site, tuple[int, ...]] = {}
 
     def remove(self, node_name: str, input_index: int, axis: int, indices) -> None:
         """Delete original ``indices`` along ``axis`` of the constant at the site."""
@@ -72,8 +78,7 @@ class ConstantEditor:
         self.edits[(node_name, input_index)] = SiteEdit(value=np.asarray(value))
 
     def apply(self) -> list[str]:
-        """Write every requested edit into the model; returns "old -> new" for each copy."""
-        dead_before = _unused(self.model)
+        """Write every requested edit into the editor; returns "old -> new" for each copy."""
         by_source: dict[str, list[Site]] = defaultdict(list)
         for site in self.edits:
             tensor = self._tensor(site)
@@ -84,9 +89,20 @@ class ConstantEditor:
                 self._write_copies(source[1:], {s: self.edits[s] for s in sites})
             else:
                 self._write_initializer(source)
-        _drop_newly_unused(self.model, dead_before)
         self.edits.clear()
         return self.copied
+
+    def verify(self, model: onnx.ModelProto) -> None:
+        """Postcondition on the finished ``model``: every edited site reads a constant of
+        the shape written (removed channels are gone).  Raises EditError otherwise."""
+        index = GraphIndex(model)
+        for (node_name, slot), want in self.expected.items():
+            node = index.node_by_name.get(node_name)
+            value = None if node is None else index.get_constant(node.input[slot])
+            got = None if value is None else tuple(value.shape)
+            if got != want:
+                raise EditError(f"input {slot} of node {node_name!r} has shape {got} after "
+                                f"the edit, not the {want} written")
 
     # -- internals ---------------------------------------------------------------------------
     def _tensor(self, site: Site) -> str:
@@ -110,26 +126,22 @@ class ConstantEditor:
         if keys == [()]:
             return
         if len(keys) == 1:
-            base = numpy_helper.to_array(self.index.initializers[source])
-            new = next(iter(edits.values())).apply(base)
-            self.index.initializers[source].CopyFrom(numpy_helper.from_array(new, source))
-            _update_input_dims(self.model, source, new.shape)
+            new = next(iter(edits.values())).apply(self.index.get_constant(source))
+            self.editor.replace_initializer(source, new)
+            self.expected.update({u: new.shape for u in uses if u in self.edits})
             return
         self._write_copies(source, {s: e for s, e in edits.items() if e.key()})
 
     def _write_copies(self, tensor: str, edits: dict[Site, SiteEdit]) -> None:
-        names: dict[tuple, str] = {}
+        names: dict[tuple, tuple[str, tuple[int, ...]]] = {}
         for site, edit in edits.items():
             key = edit.key()
             if key not in names:
                 new = edit.apply(self._base(self._tensor(site), site))
-                names[key] = _unique_name(self.index, self.model, f"{tensor}.pruned")
-                self.model.graph.initializer.append(numpy_helper.from_array(new, names[key]))
-                if self.model.ir_version < 4:
-                    self.model.graph.input.append(onnx.helper.make_tensor_value_info(
-                        names[key], self.model.graph.initializer[-1].data_type, new.shape))
-                self.copied.append(f"{tensor} -> {names[key]}")
-            self.index.node_by_name[site[0]].input[site[1]] = names[key]
+                names[key] = self.editor.add_initializer(f"{tensor}.pruned", new), new.shape
+                self.copied.append(f"{tensor} -> {names[key][0]}")
+            self.editor.rewire(site[0], site[1], names[key][0])
+            self.expected[site] = names[key][1]
 
 
 def _terminal_uses(index: GraphIndex, source: str) -> list[Site]:
@@ -146,68 +158,3 @@ def _terminal_uses(index: GraphIndex, source: str) -> list[Site]:
             else:
                 uses.append((node.name, i) if node.name else ("\0unnamed", len(uses)))
     return uses
-
-
-def _unique_name(index: GraphIndex, model: onnx.ModelProto, stem: str) -> str:
-    taken = {t.name for t in model.graph.initializer} | set(index.producer) | {
-        v.name for v in model.graph.input}
-    name, k = stem, 1
-    while name in taken:
-        k += 1
-        name = f"{stem}{k}"
-    return name
-
-
-def _update_input_dims(model: onnx.ModelProto, name: str, shape) -> None:
-    """Initializers listed as graph inputs (IR < 4) must keep a matching shape."""
-    for value in model.graph.input:
-        if value.name == name and value.type.tensor_type.HasField("shape"):
-            dims = value.type.tensor_type.shape.dim
-            del dims[:]
-            for d in shape:
-                dims.add().dim_value = int(d)
-
-
-def _unused(model: onnx.ModelProto) -> tuple[set[str], set[str]]:
-    """(names of nodes whose outputs nobody reads, unread initializers)."""
-    graph = model.graph
-    read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
-    read |= {name for node in graph.node for attr in node.attribute
-             for sub in _subgraphs(attr) for name in _outer_names(sub)}
-    nodes = {n.name for n in graph.node if n.output and not any(o in read for o in n.output)}
-    inits = {t.name for t in graph.initializer if t.name not in read}
-    return nodes, inits
-
-
-def _subgraphs(attr: onnx.AttributeProto) -> list[onnx.GraphProto]:
-    return ([attr.g] if attr.HasField("g") else []) + list(attr.graphs)
-
-
-def _outer_names(graph: onnx.GraphProto) -> set[str]:
-    """Every name a subgraph's nodes read (over-approximates its references to outer values)."""
-    names = {name for node in graph.node for name in node.input}
-    for node in graph.node:
-        for attr in node.attribute:
-            for sub in _subgraphs(attr):
-                names |= _outer_names(sub)
-    return names
-
-
-def _drop_newly_unused(model: onnx.ModelProto, before: tuple[set[str], set[str]]) -> None:
-    """Remove Identity/Constant nodes and initializers that the rewiring left unread."""
-    while True:
-        nodes, inits = _unused(model)
-        drop = [n for n in model.graph.node if n.name and n.name in nodes - before[0]
-                and n.op_type in ("Identity", "Constant")]
-        if not drop:
-            break
-        for node in drop:
-            model.graph.node.remove(node)
-    keep = [t for t in model.graph.initializer if t.name not in inits - before[1]]
-    if len(keep) != len(model.graph.initializer):
-        gone = {t.name for t in model.graph.initializer} - {t.name for t in keep}
-        del model.graph.initializer[:]
-        model.graph.initializer.extend(keep)
-        kept_inputs = [v for v in model.graph.input if v.name not in gone]
-        del model.graph.input[:]
-        model.graph.input.extend(kept_inputs)

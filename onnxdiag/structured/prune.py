@@ -22,6 +22,9 @@ import onnx
 from ..errors import OnnxDiagError
 from ..graph import ChannelGroup, GraphIndex, Layer, Structure, analyze_structure
 from ..graph._records import jsonable
+from ..graph.index import get_attr
+from ..model.edit import ModelEditor
+from ..model.finalize import EditError
 from ..model.io import PROTOBUF_LIMIT
 from .edit import ConstantEditor
 
@@ -86,22 +89,24 @@ def prune_channels(model: onnx.ModelProto, structure: Structure,
         plan: ``{group_id: channels to remove}`` (group channel indices), or a
             :class:`~onnxdiag.structured.plan.Plan` (its ``removed``).
 
-    The result has stale shapes cleared, shapes re-inferred and passes
-    ``onnx.checker.check_model(full_check=True)``.  Never modifies ``model``.
+    The result comes back through ``ModelEditor.finish``: stale shapes cleared, shapes
+    re-inferred, ``onnx.checker.check_model(full_check=True)`` passed, and every sliced
+    constant verified to have lost the removed channels.  Never modifies ``model``.
 
     Raises:
         OnnxDiagError: unknown group, a group that is not prunable (the head's classes,
             a graph output, an op not understood), a channel out of range or listed
             twice, all channels of a group removed, a structure not of this model, or a
             model of 2 GiB or more.
+        EditError: the pruned model fails the checker or the postcondition (a bug: a
+            graph pattern channel removal does not handle; please report the model).
     """
     removed = normalize_removed(structure, getattr(plan, "removed", plan))
     if model.ByteSize() >= PROTOBUF_LIMIT:
         raise OnnxDiagError("Structured pruning of models of 2 GiB or more is not supported "
                             "yet; prune a smaller export.")
-    pruned = onnx.ModelProto()
-    pruned.CopyFrom(model)
-    editor = ConstantEditor(pruned)
+    model_editor = ModelEditor(model)
+    editor = ConstantEditor(model_editor)
     layers = {layer.node_name: layer for layer in structure.layers}
     _check_structure(editor.index, structure, removed, layers)
     depthwise: dict[str, int] = defaultdict(int)
@@ -109,10 +114,13 @@ def prune_channels(model: onnx.ModelProto, structure: Structure,
         _request_group(editor, structure.groups[gid], layers, channels, depthwise)
     literal = _literal_reshapes(editor.index)
     copied = editor.apply()
-    _shrink_group_attr(pruned, depthwise)
-    del pruned.graph.value_info[:]
-    pruned, reshapes = _fix_reshapes(pruned, literal)
-    _check_pruned(pruned, removed)
+    _shrink_group_attr(model_editor, depthwise)
+    reshapes = _fix_reshapes(model_editor, literal)
+    try:
+        pruned = model_editor.finish(check=editor.verify)
+    except EditError as exc:
+        raise EditError(f"{exc} (pruning groups {', '.join(map(str, removed))}; leaving them "
+                        "out of the plan one at a time finds the pattern)") from exc
     return pruned, _record(structure, pruned, removed, copied, reshapes)
 
 
@@ -219,12 +227,9 @@ def _bias_axis(index: GraphIndex, layer: Layer) -> int | None:
     return len(shape) - 1 if layer.op_type == "Gemm" else 0
 
 
-def _shrink_group_attr(model: onnx.ModelProto, depthwise: dict[str, int]) -> None:
-    for node in model.graph.node:
-        if node.name in depthwise:
-            for attr in node.attribute:
-                if attr.name == "group":
-                    attr.i -= depthwise[node.name]
+def _shrink_group_attr(editor: ModelEditor, depthwise: dict[str, int]) -> None:
+    for name, n in depthwise.items():
+        editor.set_attribute(name, "group", get_attr(editor.node(name), "group", 1) - n)
 
 
 def _literal_reshapes(index: GraphIndex) -> dict[str, tuple[tuple, np.ndarray]]:
@@ -242,17 +247,16 @@ def _literal_reshapes(index: GraphIndex) -> dict[str, tuple[tuple, np.ndarray]]:
     return out
 
 
-def _fix_reshapes(model: onnx.ModelProto, literal: dict) -> tuple[onnx.ModelProto, tuple]:
+def _fix_reshapes(model_editor: ModelEditor, literal: dict) -> tuple:
     """Re-infer shapes; rewrite the first Reshape whose input lost channels, repeat."""
     fixed = []
     for _ in range(len(literal) + 1):
-        inferred = _infer(model)
-        index = GraphIndex(inferred)
+        index = GraphIndex(model_editor.infer_shapes())
         todo = next(((name, new) for name, (src, target) in literal.items()
                      if (new := _new_target(index, name, src, target)) is not None), None)
         if todo is None:
-            return inferred, tuple(fixed)
-        editor = ConstantEditor(model)
+            return tuple(fixed)
+        editor = ConstantEditor(model_editor)
         editor.replace(todo[0], 1, todo[1])
         editor.apply()
         fixed.append(todo[0])
@@ -277,22 +281,6 @@ def _new_target(index: GraphIndex, name: str, src: tuple, target: np.ndarray):
                             f"does not follow its input from {list(src)} to {list(new)}; "
                             "leave the channel group feeding it out of the plan.")
     return out
-
-
-def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
-    return onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False,
-                                             data_prop=True)
-
-
-def _check_pruned(model: onnx.ModelProto, removed: dict) -> None:
-    try:
-        onnx.checker.check_model(model, full_check=True)
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
-        raise OnnxDiagError(
-            f"The pruned model fails the ONNX checker ({str(exc).splitlines()[0]}); the graph "
-            f"has a pattern channel removal does not handle. Leave groups "
-            f"{', '.join(map(str, removed))} out of the plan one at a time to find it, and "
-            "please report the model.") from exc
 
 
 def _record(before: Structure, pruned: onnx.ModelProto, removed: dict, copied, reshapes):
