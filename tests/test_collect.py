@@ -5,7 +5,9 @@ import corpus
 import numpy as np
 import pytest
 
-from onnxdiag.channels.collect import collect_channel_moments, find_analysed_layers, target_margin
+from onnxdiag.channels.collect import collect_channel_moments, find_analysed_layers
+from onnxdiag.channels.moments import target_margin
+from onnxdiag.commands.base import DataRequest, ReportTarget, Runtime
 from onnxdiag.data.source import open_data
 from onnxdiag.errors import OnnxDiagError
 from onnxdiag.graph import analyze_structure
@@ -107,8 +109,9 @@ def test_channels_verb_writes_csv_and_flags_pseudo_targets(setup, tmp_path):
     path = tmp_path / "m.onnx"
     onnx.save(model, path)
     np.save(tmp_path / "x.npy", x)
-    result = channels_report(str(path), data=str(tmp_path / "x.npy"), out=tmp_path / "rep",
-                             progress=False)
+    result = channels_report(str(path), data=str(tmp_path / "x.npy"),
+                             report=ReportTarget(tmp_path / "rep"),
+                             runtime=Runtime(progress=False))
     section = result.report["channels"]
     assert section["targets"] == "pseudo" and "pseudo" in section["targets_flag"]
     csv_lines = (tmp_path / "rep" / "channels.csv").read_text().splitlines()
@@ -122,7 +125,7 @@ def test_fast_fold_equals_moments_on_concatenated_rows(cuts):
     """The hot loop (row gather from the channels-last output, Gram around the running mean)
     equals Moments.update on the explicitly gathered float64 rows of the NCHW tensor with T
     repeated per position, to 1e-12, for any split."""
-    from onnxdiag.channels.collect import LayerMoments, _fold
+    from onnxdiag.channels.moments import LayerMoments, _fold
     from onnxdiag.stats import Moments
 
     rng = np.random.default_rng(9)
@@ -185,8 +188,10 @@ def test_channel_section_summarises_each_layer(setup, tmp_path):
     assert "== Channels" in text and "ARI" in text
     onnx.save(model, tmp_path / "m.onnx")
     np.savez(tmp_path / "d.npz", x=x, labels=y)
-    full = channels_report(str(tmp_path / "m.onnx"), data=str(tmp_path / "d.npz"),
-                           batch_size=8, write=False, progress=False).report["channels"]
+    full = channels_report(str(tmp_path / "m.onnx"),
+                           data=DataRequest(str(tmp_path / "d.npz"), batch_size=8),
+                           report=ReportTarget(write=False),
+                           runtime=Runtime(progress=False)).report["channels"]
     assert [r["layer"] for r in section["layers"]] == [r["layer"] for r in full["layers"]]
     for row, ref in zip(section["layers"], full["layers"]):
         assert "scores" not in row
@@ -248,7 +253,7 @@ def test_auto_taps_the_input_only_where_it_is_far_smaller():
     errors name the fix."""
     from pathlib import Path
 
-    from onnxdiag.channels.collect import choose_taps, tap_names
+    from onnxdiag.channels.taps import choose_taps, tap_names
 
     model = model_io.load_model(str(Path(__file__).parent.parent / "models" / "sample"
                                      / "model.onnx"))
@@ -305,3 +310,31 @@ def test_a_layer_tensor_that_is_also_a_head_tensor(build, layers):
     layer = structure.get_layer(name)
     assert lm.n_images == 6 and lm.task.n == 6 * min(3, int(np.prod(
         corpus.run_ort(model, feeds, [layer.output])[layer.output].shape[2:]) or 1))
+
+
+def test_settings_record_equals_its_fields_as_keywords(setup):
+    """collect_channel_moments(settings=StatsSettings(...)) is the pass of the same fields
+    given as keywords; keywords replace the record's fields; an unknown one is refused."""
+    from onnxdiag.channels.collect import StatsSettings
+
+    model, structure, x, y = setup
+    source = open_data({"x": x, "labels": y}, model_io.get_input_specs(model), batch_size=8)
+    name = find_analysed_layers(structure)[0].node_name
+    record = StatsSettings(layers=[name], n_positions=5, seed=3, targets="pseudo")
+    by_record = collect_channel_moments(model, structure, source, record)
+    by_keywords = collect_channel_moments(model, structure, source, layers=[name],
+                                          n_positions=5, seed=3, targets="pseudo")
+    replaced = collect_channel_moments(model, structure, source, record, targets="labels")
+    assert list(by_record.layers) == [name] and record.layers == (name,)
+    assert (by_record.targets, replaced.targets) == ("pseudo", "labels")
+    np.testing.assert_array_equal(by_record.layers[name].task.cov(),
+                                  by_keywords.layers[name].task.cov())
+    with pytest.raises(TypeError):
+        collect_channel_moments(model, structure, source, positions=5)
+
+
+def test_unknown_layer_is_a_user_error(setup):
+    model, structure, x, y = setup
+    source = open_data({"x": x}, model_io.get_input_specs(model))
+    with pytest.raises(OnnxDiagError, match="Layer 'nope' is not in the model.*inspect"):
+        collect_channel_moments(model, structure, source, layers=["nope"])

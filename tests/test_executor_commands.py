@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import onnxdiag.channels.collect as collect
+import onnxdiag.channels.moments as moments
 from onnxdiag.channels.collect import collect_channel_moments, collect_channel_moments_sharded
 from onnxdiag.cli import cli
-from onnxdiag.commands.channels import channels_report
+from onnxdiag.commands.base import DataRequest, ReportTarget, Runtime
+from onnxdiag.commands.channels import ChannelsOptions, channels_report
 from onnxdiag.commands.prune_sweep import prune_sweep_report
 from onnxdiag.data.sample import get_sample
 from onnxdiag.data.source import open_data
@@ -22,6 +23,7 @@ from onnxdiag.runtime.executor import LocalExecutor, UnitFailure
 SAMPLE = get_sample()
 CALIB = str(SAMPLE.calibration)
 LIMIT, BATCH = 300, 64  # 5 batches, the last one short: shards of 2/2/1 or 3/2 batches
+REQUEST = DataRequest(CALIB, limit=LIMIT, seed=3, batch_size=BATCH)
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +53,8 @@ def _assert_same_moments(a, b, tol=1e-9):
 @pytest.mark.parametrize("n_shards, ship", [(3, False), (2, True)])
 def test_sharded_moments_equal_single_pass_locally(model, single_pass, n_shards, ship):
     m, structure = model
-    stats = collect_channel_moments_sharded(m, structure, CALIB, executor=LocalExecutor(1),
-                                            limit=LIMIT, seed=3, batch_size=BATCH,
-                                            n_shards=n_shards, ship=ship)
+    stats = collect_channel_moments_sharded(m, structure, REQUEST, executor=LocalExecutor(1),
+                                            seed=3, n_shards=n_shards, ship=ship)
     assert stats.data["shards"] == n_shards and stats.data["indices"] == \
         single_pass.data["indices"]  # the same seeded subset of the calibration set
     _assert_same_moments(single_pass, stats)
@@ -64,9 +65,8 @@ def test_sharded_gap_moments_equal_single_pass(model):
     m, structure = model
     source = open_data(CALIB, get_input_specs(m), limit=LIMIT, seed=3, batch_size=BATCH)
     one = collect_channel_moments(m, structure, source, seed=3, task_samples="gap")
-    stats = collect_channel_moments_sharded(m, structure, CALIB, executor=LocalExecutor(1),
-                                            limit=LIMIT, seed=3, batch_size=BATCH,
-                                            task_samples="gap", n_shards=4)
+    stats = collect_channel_moments_sharded(m, structure, REQUEST, executor=LocalExecutor(1),
+                                            seed=3, task_samples="gap", n_shards=4)
     _assert_same_moments(one, stats)
     for name, lm in one.layers.items():
         for x, y in zip(lm.local_moments(), stats.layers[name].local_moments()):
@@ -75,17 +75,38 @@ def test_sharded_gap_moments_equal_single_pass(model):
 
 def test_sharded_moments_on_ray_equal_single_pass(ray_executor, model, single_pass):
     m, structure = model
-    for ship in (False, True):  # workers read their batch range / the driver ships it
-        stats = collect_channel_moments_sharded(m, structure, CALIB, executor=ray_executor,
-                                                limit=LIMIT, seed=3, batch_size=BATCH,
-                                                ship=ship)
+    # Ray workers need not see this machine's paths (ray_executor.reads_paths is False),
+    # so the driver ships each shard's batches with or without ship=True.
+    for ship in (False, True):
+        stats = collect_channel_moments_sharded(m, structure, REQUEST, executor=ray_executor,
+                                                seed=3, ship=ship)
         assert stats.data["shards"] == 2
+        assert stats.data["shard_data"] == "shipped by the driver"
         _assert_same_moments(single_pass, stats)
+
+
+@pytest.mark.parametrize("jobs, in_memory, where", [
+    (1, False, "read in this process"), (2, False, "read by workers from the path"),
+    (2, True, "shipped by the driver")])
+def test_shard_data_follow_the_executor(model, single_pass, jobs, in_memory, where):
+    """Units in this process read their batch range from the opened data; worker processes
+    reopen a data file from its path; in-memory data are read by the driver and each
+    shard's batches shipped with its unit. Every way gives the single pass."""
+    m, structure = model
+    request = REQUEST
+    if in_memory:
+        with np.load(CALIB) as z:
+            request = DataRequest({k: z[k] for k in z.files}, limit=LIMIT, seed=3,
+                                  batch_size=BATCH)
+    stats = collect_channel_moments_sharded(m, structure, request, executor=LocalExecutor(jobs),
+                                            seed=3, n_shards=2)
+    assert stats.data["shard_data"] == where and stats.data["shards"] == 2
+    _assert_same_moments(single_pass, stats)
 
 
 def test_failed_shard_is_named_not_merged(model, monkeypatch):
     m, structure = model
-    fold = collect._fold
+    fold = moments._fold
     selected = open_data(CALIB, get_input_specs(m), limit=LIMIT, seed=0).indices
     # 5 batches in 3 shards: batches 0-1, 2, 3-4; break the one holding sample 128
     bad = selected[128]
@@ -95,13 +116,14 @@ def test_failed_shard_is_named_not_merged(model, monkeypatch):
             raise RuntimeError("disk read error")
         return fold(acc, x, t, t_null, indices, *args)
 
-    monkeypatch.setattr(collect, "_fold", broken)
+    monkeypatch.setattr(moments, "_fold", broken)
     # A RuntimeError in a worker is a bug, not a user error: it stops the command as a
     # UnitFailure that keeps the worker's exception type and traceback (for --debug).
     with pytest.raises(UnitFailure, match=r"1 of 3 statistics shards failed.*shard 1 "
                                           r"\(batch 2, selected samples 128-191\).*disk read") as e:
-        collect_channel_moments_sharded(m, structure, CALIB, executor=LocalExecutor(1),
-                                        limit=LIMIT, batch_size=BATCH, n_shards=3)
+        collect_channel_moments_sharded(m, structure, DataRequest(CALIB, limit=LIMIT,
+                                                                  batch_size=BATCH),
+                                        executor=LocalExecutor(1), n_shards=3)
     assert e.value.error.type_name == "RuntimeError"
     assert "raise RuntimeError(\"disk read error\")" in e.value.remote_traceback
 
@@ -126,10 +148,10 @@ def _close(a, b, tol=1e-9, where="") -> None:
 
 
 def test_channels_report_on_ray_equals_local(ray_executor):
-    args = dict(data=CALIB, limit=LIMIT, seed=3, batch_size=BATCH, write=False,
-                progress=False)
-    local = channels_report(str(SAMPLE.model), **args).report
-    on_ray = channels_report(str(SAMPLE.model), executor=ray_executor, **args).report
+    args = dict(data=REQUEST, options=ChannelsOptions(seed=3), report=ReportTarget(write=False))
+    local = channels_report(str(SAMPLE.model), runtime=Runtime(progress=False), **args).report
+    on_ray = channels_report(str(SAMPLE.model), runtime=Runtime(executor=ray_executor,
+                                                                progress=False), **args).report
     assert local["metadata"]["executor"] == {"kind": "local", "jobs": 1}
     assert on_ray["metadata"]["executor"]["kind"] == "ray"
     a, b = local["channels"], on_ray["channels"]

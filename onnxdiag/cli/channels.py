@@ -8,23 +8,27 @@ from . import cli
 from .options import (
     data_options,
     emit_result,
-    executor_option,
     head_options,
-    library_kwargs,
     output_options,
-    sampling_and_providers,
+    runtime_options,
+    sampling_options,
+    take_records,
 )
+
+
+def _targets_option(help: str):
+    return click.option("--targets", type=click.Choice(["auto", "labels", "pseudo"]),
+                        default="auto", show_default=True, help=help)
 
 
 @cli.command()
 @click.argument("models", nargs=-1, required=True)
 @data_options(required=True)
-@sampling_and_providers
+@sampling_options
+@runtime_options(fan_out=True, units="statistics shard")
 @head_options
-@click.option("--targets", type=click.Choice(["auto", "labels", "pseudo"]), default="auto",
-              show_default=True,
-              help="Target T: ground-truth logit margin (labels) or the predicted class's "
-                   "(pseudo, flagged in the report); auto = labels when the data has them.")
+@_targets_option("Target T: ground-truth logit margin (labels) or the predicted class's "
+                 "(pseudo, flagged in the report); auto = labels when the data has them.")
 @click.option("--task-samples", type=click.Choice(["match", "gap"]), default="match",
               show_default=True,
               help="T repeated per sampled position (match) or per-image spatial means (gap).")
@@ -43,20 +47,22 @@ from .options import (
                    "computes it, or the conv evaluated in float64 at the sampled positions "
                    "from its input; auto = input where that copies far fewer values out of "
                    "the session (e.g. a first conv on a grey image).")
-@click.option("--jobs", type=click.IntRange(min=1), default=None,
-              help="Worker processes, each streaming a shard of the data (default: 1, one "
-                   "pass in this process; with ray, CPUs of the local instance).")
-@executor_option
 @output_options
-def channels(models, fmt, layers, **kwargs):
-    """Two-axis channel information (SPEC B): local substitutability vs task relevance.
+def channels(models, **kw):
+    """Two-axis channel information (docs/METHODS.md §B): local substitutability vs task
+    relevance.
 
-    MODELS: one model, or a checkpoint series (the B4 statistics per checkpoint form the
-    training trajectory). Writes report.json, report.txt and channels.csv.
+    MODELS: one model, or a checkpoint series (the §B4 statistics per checkpoint form the
+    training trajectory). Writes report.json, report.txt and channels.csv. With --jobs N
+    (or --executor ray) the calibration set is cut into shards of whole batches, one
+    statistics pass per shard, merged exactly.
     """
-    from ..commands.channels import channels_report
+    from ..commands.channels import ChannelsOptions, channels_report
 
-    emit_result(channels_report(list(models), layers=list(layers) or None, **library_kwargs(kwargs)), fmt)
+    rec = take_records(kw)
+    kw["layers"] = tuple(kw["layers"]) or None
+    emit_result(channels_report(list(models), **rec.library(), options=ChannelsOptions(**kw)),
+                rec.fmt)
 
 
 @cli.command()
@@ -73,24 +79,29 @@ def channels(models, fmt, layers, **kwargs):
               help="Random channel pairs per layer for pair lesions (excess damage).")
 @data_options("eval-", required=True)
 @data_options()
-@sampling_and_providers
+@sampling_options
+@runtime_options()
 @head_options
-@click.option("--targets", type=click.Choice(["auto", "labels", "pseudo"]), default="auto",
-              show_default=True, help="Target of the channel scores computed on --data.")
+@_targets_option("Target of the channel scores computed on --data.")
 @output_options
-def lesion(model, fmt, layers, channels, **kwargs):
-    """Lesion channels and measure the damage on labelled data (SPEC B5).
+def lesion(model, **kw):
+    """Lesion channels and measure the damage on labelled data (docs/METHODS.md §B5).
 
     With --data (calibration images) the channels are scored, --substitute becomes
     possible, and the report tests which score predicts the damage.
     """
-    from ..commands.lesion import lesion_report
+    from ..commands.lesion import LesionOptions, lesion_report
 
-    chans = None
-    if channels:
-        try:
-            chans = [int(c) for c in channels.split(",") if c.strip()]
-        except ValueError:
-            raise click.BadParameter("give integers such as 0,3,7",
-                                     param_hint="--channels") from None
-    emit_result(lesion_report(model, layers=list(layers), channels=chans, **library_kwargs(kwargs)), fmt)
+    rec = take_records(kw, roles=("", "eval-"))
+    kw["channels"] = _channel_list(kw["channels"])
+    emit_result(lesion_report(model, **rec.library(), options=LesionOptions(**kw)), rec.fmt)
+
+
+def _channel_list(text: str | None) -> tuple[int, ...] | None:
+    """``--channels 0,3,7`` as a tuple of ints (None when not given)."""
+    if not text:
+        return None
+    try:
+        return tuple(int(c) for c in text.split(",") if c.strip())
+    except ValueError:
+        raise click.BadParameter("give integers such as 0,3,7", param_hint="--channels") from None

@@ -2,93 +2,154 @@
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..channels.layers import score_collected
+from ..errors import OnnxDiagError
 from ..report import SCHEMA_VERSION, build_metadata, render_table
-from ..report.text import dict_rows_csv
-from .base import CommandResult, check_out, finish_old, open_source, render_header
+from ..report.text import rows_to_csv
+from .base import (
+    CommandResult,
+    DataRequest,
+    HeadChoice,
+    ReportTarget,
+    Runtime,
+    describe_sources,
+    finish,
+    render_header,
+)
 from .channels import fmt_nan3
 
 
-def lesion_report(model, *, eval_data, layers, eval_labels=None, data=None, labels=None,
-                  channels=None, sample=None, substitute=False, pairs=0, limit=None, seed=0,
-                  batch_size=64, providers=None, head=None, features=None, targets="auto",
-                  n_positions=16, k_peers=10, ridge=1e-3, out=None, overwrite=False,
-                  write=True, progress=True) -> CommandResult:
-    """Lesion channels (and substitute them from their peers) on labelled data (SPEC B5).
+@dataclass(frozen=True)
+class LesionOptions:
+    """The ``lesion`` verb's own options (``docs/METHODS.md §B5``).
 
-    ``data`` (calibration, unlabelled is fine) is needed for ``substitute`` and for the
-    damage test: it gives the channel scores and the peers' ridge coefficients. The
-    "which score predicts damage" test bins channels by task information.
+    ``layers``: node names of the layers whose channels are lesioned (required).
+    ``channels``: these channel indices in every layer (None: all, or ``sample``
+    seeded random ones per layer). ``substitute``: also replace each channel by its
+    ridge reconstruction from its peers (needs calibration data). ``pairs``: random
+    channel pairs per layer for pair lesions. ``targets``, ``n_positions``, ``k_peers``,
+    ``ridge``: the channel scores computed on the calibration data. ``seed``: every
+    random choice.
     """
-    from ..channels.clustering import damage_test
-    from ..channels.collect import collect_channel_moments
+
+    layers: tuple
+    channels: tuple | None = None
+    sample: int | None = None
+    substitute: bool = False
+    pairs: int = 0
+    targets: str = "auto"
+    n_positions: int = 16
+    k_peers: int = 10
+    ridge: float = 1e-3
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("layers", "channels"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, tuple):
+                object.__setattr__(self, name, tuple(value))
+
+
+def lesion_report(model, *, data=None, eval_data, options: LesionOptions,
+                  head: HeadChoice = HeadChoice(),  # noqa: B008 - frozen records
+                  runtime: Runtime = Runtime(),  # noqa: B008
+                  report: ReportTarget = ReportTarget()) -> CommandResult:  # noqa: B008
+    """Lesion channels (and substitute them from their peers) on labelled data
+    (``docs/METHODS.md §B5``).
+
+    ``eval_data``: the labelled evaluation :class:`~onnxdiag.commands.base.DataRequest`
+    (or a path) the damage is measured on. ``data`` (calibration, unlabelled is fine)
+    gives the channel scores and the peers' ridge coefficients: it is needed for
+    ``options.substitute`` and for the damage test, which bins the channels by task
+    information. Writes report.json, report.txt and lesions.csv (one row per lesion).
+    """
     from ..channels.interventions import lesion_study
     from ..graph import analyze_structure
     from ..model.io import get_input_specs, load_model, model_hash
 
-    folder = check_out(out, "lesion", overwrite, write)
-    if substitute and data is None:
-        from ..errors import OnnxDiagError
-
+    folder = report.folder("lesion")
+    request, eval_request = DataRequest.of(data), DataRequest.of(eval_data)
+    if options.substitute and request is None:
         raise OnnxDiagError("--substitute needs calibration data (--data) to fit each channel's "
                             "peer reconstruction; pass --data FILE.")
     m = load_model(model)
-    structure = analyze_structure(m, head=head, features=features)
-    known = {la.node_name for la in structure.layers}
-    for name in layers:
-        if name not in known:
-            _unknown_layer(name, structure)
+    structure = analyze_structure(m, head=head.head, features=head.features)
+    _check_layers(options.layers, structure)
     specs = get_input_specs(m)
-    evaluation = open_source(eval_data, specs, labels=eval_labels, seed=seed, batch_size=batch_size)
-    scores = {}
-    if data is not None:
-        source = open_source(data, specs, labels=labels, limit=limit, seed=seed, batch_size=batch_size)
-        stats = collect_channel_moments(m, structure, source, layers=layers,
-                                        n_positions=n_positions, targets=targets, seed=seed,
-                                        providers=providers,
-                                        label="Channel statistics" if progress else None)
-        scored = score_collected(m, stats, structure, k_peers=k_peers, ridge=ridge)
-        scores = {name: s for name, (_, s, _) in scored.items()}
-    study = lesion_study(m, structure, evaluation, layers=layers,
-                         channels={la: channels for la in layers} if channels else None,
-                         sample=sample, seed=seed, scores=scores, substitute=substitute,
-                         pairs=pairs, providers=providers,
-                         progress_label="Lesions" if progress else None)
-    section = {"study": study.to_dict(), "rows": study.to_rows()}
-    if scores:
-        rows = [r for r in study.to_rows() if r.get("task_info") is not None]
-        if len(rows) >= 8:
-            section["damage_test"] = damage_test(
-                np.array([r["damage"] for r in rows]), np.array([r["task_info"] for r in rows]),
-                np.array([r["peer_r2"] for r in rows]),
-                np.array([r["input_capture"] for r in rows]))
-    params = dict(model=str(model), eval_data=eval_data, layers=list(layers),
-                  channels=channels, sample=sample, substitute=substitute, pairs=pairs,
-                  data=data, limit=limit, seed=seed, n_positions=n_positions, k_peers=k_peers,
-                  ridge=ridge, targets=targets)
+    evaluation = eval_request.open(specs)
+    source = None if request is None else request.open(specs)
+    scores = _channel_scores(m, structure, source, options, runtime)
+    o = options
+    study = lesion_study(m, structure, evaluation, layers=list(o.layers),
+                         channels={la: list(o.channels) for la in o.layers} if o.channels
+                         else None, sample=o.sample, seed=o.seed, scores=scores,
+                         substitute=o.substitute, pairs=o.pairs, providers=runtime.providers,
+                         progress_label="Lesions" if runtime.progress else None)
+    section = _section(study, scores)
+    params = {"model": str(model), **dataclasses.asdict(options),
+              "data": None if request is None else request.params(),
+              "eval_data": eval_request.params(), "head": head.head,
+              "features": head.features, "providers": runtime.providers}
     meta = build_metadata(command="lesion", parameters=params, model_path=model,
-                          model_hash=model_hash(m), data={"eval": evaluation.describe()})
-    report = {"schema": SCHEMA_VERSION, "metadata": meta, "lesion": section}
+                          model_hash=model_hash(m),
+                          data=describe_sources(calibration=source, evaluation=evaluation))
+    out = {"schema": SCHEMA_VERSION, "metadata": meta, "lesion": section}
     text = render_header(meta) + render_lesions(section)
-    return finish_old("lesion", report, text, text, folder, overwrite,
-                   csv=dict_rows_csv(section["rows"]), csv_name="lesions.csv")
+    return finish("lesion", out, text, folder, report.overwrite,
+                  csv=rows_to_csv(section["rows"]), csv_name="lesions.csv")
 
 
-def _unknown_layer(name, structure):
-    from ..errors import OnnxDiagError
+def _channel_scores(model, structure, source, options: LesionOptions, runtime) -> dict:
+    """{layer: ChannelScores} of the lesioned layers from ``source``; {} without data."""
+    if source is None:
+        return {}
+    from ..channels.collect import collect_channel_moments
 
+    stats = collect_channel_moments(model, structure, source, layers=options.layers,
+                                    n_positions=options.n_positions, targets=options.targets,
+                                    seed=options.seed, providers=runtime.providers,
+                                    label="Channel statistics" if runtime.progress else None)
+    scored = score_collected(model, stats, structure, k_peers=options.k_peers,
+                             ridge=options.ridge)
+    return {name: s for name, (_, s, _) in scored.items()}
+
+
+def _section(study, scores: dict) -> dict:
+    """The report section: the study, its rows and (with scores) the damage test."""
+    from ..channels.clustering import damage_test
+
+    section = {"study": study.to_dict(), "rows": study.to_rows()}
+    rows = [r for r in section["rows"] if r.get("task_info") is not None]
+    if scores and len(rows) >= 8:
+        section["damage_test"] = damage_test(
+            np.array([r["damage"] for r in rows]), np.array([r["task_info"] for r in rows]),
+            np.array([r["peer_r2"] for r in rows]),
+            np.array([r["input_capture"] for r in rows]))
+    return section
+
+
+def _check_layers(layers, structure) -> None:
+    """A one-line user error unless every name in ``layers`` is a layer of the model."""
     names = [la.node_name for la in structure.layers]
-    raise OnnxDiagError(f"Layer {name!r} is not in the model (first 5 of {len(names)}: "
-                        f"{', '.join(names[:5])}); `onnxdiag inspect MODEL` lists the layers.")
+    for name in layers or [None]:
+        if name not in names:
+            what = "No layer to lesion" if name is None else \
+                f"Layer {name!r} is not in the model"
+            raise OnnxDiagError(f"{what} (first 5 of {len(names)}: {', '.join(names[:5])}); "
+                                "name one with --layer; `onnxdiag inspect MODEL` lists the "
+                                "layers.")
 
 
 def render_lesions(section: dict) -> str:
     """Per-layer damage / recovery summary and the damage test."""
     study = section["study"]
     base = study["base"]
-    lines = ["== Lesions (SPEC B5) ==",
+    lines = ["== Lesions (docs/METHODS.md §B5) ==",
              f"base: top-1 {100 * base['accuracy']:.2f} %, loss {base['loss']:.4f} on "
              f"{base['n_samples']} labelled samples; {study['timing']['n_edits']} edited models, "
              f"{study['timing']['seconds_per_edit'] or 0:.3f} s each"]
