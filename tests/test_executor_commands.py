@@ -75,13 +75,13 @@ def test_sharded_gap_moments_equal_single_pass(model):
 
 def test_sharded_moments_on_ray_equal_single_pass(ray_executor, model, single_pass):
     m, structure = model
-    # Ray workers need not see this machine's paths (ray_executor.reads_paths is False),
-    # so the driver ships each shard's batches with or without ship=True.
-    for ship in (False, True):
+    # Ray workers read their own batch range from the data path (README: the path must exist
+    # on every node); with ship=True the driver ships each shard's batches instead.
+    for ship, where in ((False, "read by workers from the path"), (True, "shipped by the driver")):
         stats = collect_channel_moments_sharded(m, structure, REQUEST, executor=ray_executor,
                                                 seed=3, ship=ship)
         assert stats.data["shards"] == 2
-        assert stats.data["shard_data"] == "shipped by the driver"
+        assert stats.data["shard_data"] == where
         _assert_same_moments(single_pass, stats)
 
 

@@ -69,16 +69,17 @@ def legacy_request(data, fields: dict) -> DataRequest:
 
 
 def shard_data(executor, request: DataRequest, source, ship: bool | None):
-    """What the units read their batch ranges from, sent once (``executor.ship``): the
-    opened ``source`` (units in this process) or ``request`` (workers reopen its path);
-    None when the driver ships each shard's batches instead (``ship``, a stream, data
-    that cannot be reopened from a path, or workers that cannot read this machine's
-    paths)."""
+    """What the units read their batch ranges from, sent once: the opened ``source``
+    (units in this process) or ``request`` (every worker reopens its path and reads only
+    its own batch range, on any executor: a large calibration set never passes through
+    the driver, so on a multi-node Ray cluster the path must exist on every node); None
+    when the driver ships each shard's batches instead (``ship``, a stream, or data that
+    cannot be reopened from a path)."""
     if ship or not source.random_access:
         return None
-    if executor.in_process or (executor.reads_paths and request.by_path):
-        return executor.ship(request, source)
-    return None
+    if executor.in_process:
+        return source
+    return request if request.by_path else None
 
 
 def shard_data_note(shared) -> str:
