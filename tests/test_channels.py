@@ -291,6 +291,54 @@ def test_permutation_floor_on_independent_target():
     json.dumps(floor.to_dict())
 
 
+def _exact_null_information(n: int):
+    """The exact law of I = -1/2 ln(1 - r²) for the sample correlation r of n independent
+    Gaussian pairs: r² ~ Beta(1/2, (n - 2)/2) (not the large-n chi² the code uses)."""
+    from scipy import special, stats
+
+    beta = stats.beta(0.5, (n - 2) / 2)
+    mean = 0.5 * (special.digamma((n - 1) / 2) - special.digamma((n - 2) / 2))
+    return beta, mean, lambda q: -0.5 * np.log1p(-beta.ppf(q))
+
+
+@pytest.mark.parametrize("quantile", [0.9, 0.95, 0.99])
+def test_analytic_floor_is_the_exact_null_quantile(quantile):
+    """The analytic floor and mean against the exact finite-n law (1 % at n = 4000, where
+    the large-n chi²_1 law is within 0.1 %): chi² with 2 degrees of freedom would be 56 %
+    off at the 95 % quantile, 1/n instead of 1/(2n) 100 %."""
+    n = 4000
+    _, mean, ppf = _exact_null_information(n)
+    floor = permutation_floor(np.eye(3), np.zeros(3), 1.0, n_images=n, quantile=quantile)
+    assert floor.analytic_floor == pytest.approx(ppf(quantile), rel=1e-2)
+    assert floor.analytic_mean == pytest.approx(mean, rel=1e-2)
+    assert floor.quantile == quantile
+
+
+def test_null_task_information_follows_the_exact_law():
+    """20 000 null channels (10 shuffles of 2 000 independent channels, n = 400 images):
+    the values permutation_floor computes follow the exact Beta law (Kolmogorov-Smirnov),
+    and their 95 % quantile matches the analytic floor to 6 % (4 standard errors of a
+    sample quantile of 20 000; chi²_2 would be 56 % off)."""
+    from scipy import stats
+
+    rng = np.random.default_rng(21)
+    n, block = 400, 2000
+    beta, _, ppf = _exact_null_information(n)
+    null, floors = [], []
+    for _ in range(10):
+        y = rng.normal(size=(n, block)) * rng.uniform(0.5, 3.0, size=block)
+        t = rng.permutation(rng.normal(size=n) * 2.0 + 1.0)
+        yc, tc = y - y.mean(axis=0), t - t.mean()
+        var_y, cov_yt, var_t = (yc ** 2).sum(0) / (n - 1), yc.T @ tc / (n - 1), tc @ tc / (n - 1)
+        floor = permutation_floor(np.diag(var_y), cov_yt, var_t, n_images=n)
+        null.append(floor.null_task_info)
+        floors.append(floor.analytic_floor)
+    null = np.concatenate(null)
+    assert stats.kstest(-np.expm1(-2 * null), beta.cdf).pvalue > 1e-3
+    assert np.quantile(null, 0.95) == pytest.approx(floors[0], rel=0.06)
+    assert floors[0] == pytest.approx(ppf(0.95), rel=1e-2)
+
+
 # ---------------------------------------------------------------- k-means and ARI (B4)
 
 def test_kmeans_recovers_separated_clusters_deterministically():

@@ -276,6 +276,24 @@ def test_degenerate_rule_flags_input_independent_features():
     assert init.diagnostics["feature_spread"] < 1e-5
 
 
+@pytest.mark.parametrize("offset", [0.0, 2.0, 30.0])
+def test_feature_spread_is_the_centred_variance_share_for_any_batch_split(offset):
+    """feature_spread against a brute-force centre: the squared distances of the z_i to
+    their mean (the per-feature mean of all samples), over the mean |z_i|², streamed in
+    uneven batches.  Uncentred (1), centred on one batch's mean or with n - 1 it differs."""
+    rng = np.random.default_rng(17)
+    Z, W, b, _, _ = make_problem(17, n=50, C=4, D=6)
+    Z = Z * rng.uniform(0.2, 3.0, size=6) + offset * rng.normal(size=6)
+    centre = Z.sum(axis=0) / len(Z)
+    want = np.sum((Z - centre) ** 2) / np.sum(Z ** 2)
+    acc = ReadoutAccumulator(W, b, targets="pseudo")
+    for part in np.split(np.arange(50), [7, 8, 31]):
+        acc.update(Z[part], Z[part] @ W.T + b)
+    got = acc.result().diagnostics["feature_spread"]
+    assert got == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert abs(got - want * 50 / 49) > 1e-3 * want
+
+
 def test_degenerate_rule_collapse_and_uniform():
     Z, W, b, U, y = make_problem(14, n=64, C=5, D=8, scale=3.0)
     U_one = U.copy()

@@ -167,6 +167,18 @@ def test_all_flagged_window_is_reported_not_raised():
     assert report.random.accuracy == pytest.approx(0.85)  # all flagged: whole window
 
 
+@pytest.mark.parametrize("flagged", [[4], [3, 6], [0, 3, 7]])
+def test_random_baseline_skips_flagged_checkpoints_inside_the_window(flagged):
+    """The random baseline is the accuracy of a uniform draw among the checkpoints a
+    readout may select: the window's unflagged ones (brute force over the window)."""
+    report = evaluate_selection({"head_grad": HEAD_GRAD}, ACC, flagged=flagged)
+    eligible = [ACC[i] for i in range(3, 8) if i not in flagged]
+    assert report.random.accuracy == pytest.approx(sum(eligible) / len(eligible), abs=1e-12)
+    assert report.random.gap_window_pp == pytest.approx(100 * (0.86 - report.random.accuracy))
+    with_flags = sum(ACC[3:8]) / 5  # what a baseline that ignored the flags would give
+    assert abs(report.random.accuracy - with_flags) > 1e-3
+
+
 def test_rank_models():
     acc = [0.1, 0.3, 0.2, 0.5, 0.4]
     grad = [-a for a in acc]  # lower is better, perfectly ranked

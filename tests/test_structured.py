@@ -22,6 +22,7 @@ from onnxdiag.model.io import load_model, model_hash, save_model
 from onnxdiag.structured import (
     Plan,
     bn_scale_scores,
+    kept_output_channels,
     load_plan,
     magnitude_scores,
     plan_pruning,
@@ -82,15 +83,22 @@ def _init_elems(model) -> int:
     return sum(int(np.prod(t.dims)) for t in model.graph.initializer)
 
 
+def _build(name: str) -> onnx.ModelProto:
+    """A corpus model, or one of the structured corpus's own builders below."""
+    local = {"mobile": _mobile, "concat_flatten": _concat_flatten}
+    return local[name]() if name in local else corpus.CORPUS[name]()
+
+
 # -- equivalence for every group kind --------------------------------------------------------
 @pytest.mark.parametrize("name, kind", [
     ("conv_bn_chain", "chain"), ("residual_block", "residual"), ("concat_block", "concat"),
     ("depthwise_pointwise", "depthwise"), ("conv_flatten_gemm", "flatten"),
     ("se_block", "mul"), ("two_inputs", "concat"), ("mlp_head", "chain"),
     ("conv_bias_add", "chain"), ("preact_bn", "chain"), ("conv_bn_folded", "chain"),
+    ("concat_flatten", "flatten"),
 ])
 def test_pruned_equals_zeroed_original(name, kind):
-    model = load_model(corpus.CORPUS[name]())
+    model = load_model(_build(name))
     before = model.SerializeToString()
     structure = analyze_structure(model)
     assert any(kind in g.kinds for g in structure.groups if g.prunable)
@@ -111,9 +119,9 @@ def test_pruned_equals_zeroed_original(name, kind):
 
 
 @pytest.mark.parametrize("name", ["residual_block", "concat_block", "depthwise_pointwise",
-                                  "mobile"])
+                                  "mobile", "concat_flatten"])
 def test_random_plans_one_group_at_a_time(name):
-    model = load_model(_mobile() if name == "mobile" else corpus.CORPUS[name]())
+    model = load_model(_build(name))
     structure = analyze_structure(model)
     rng = np.random.default_rng(3)
     for group in (g for g in structure.groups if g.prunable):
@@ -210,6 +218,71 @@ def _mobile() -> onnx.ModelProto:
     x = cbr(cbr(cat, "dwc", 20, 20, group=20), "last", 20, 24, k=1)
     g.gemm(g.pool_flatten(x), "head", 24, 5, out="logits")
     return g.model([corpus._image()], [corpus._logits()])
+
+
+def _concat_flatten() -> onnx.ModelProto:
+    """Three branches at 4×4, a = Relu(bn(c0(x))) (4), b = Relu(c1(a)) (6), d = Relu(c2(x))
+    (5), Concat(a, b, d) "cat" (15) → Flatten (240) → Gemm "head": channel c of the branch
+    at offset o (0, 4, 10) is features (o + c)·16 … (o + c)·16 + 15 of the head."""
+    g = corpus._G(8)
+    a = g.node("Relu", [g.bn(g.conv("x", "c0", 3, 4, stride=2, bias=False), "c0_bn", 4)],
+               "relu_a")
+    b = g.node("Relu", [g.conv(a, "c1", 4, 6)], "relu_b")
+    d = g.node("Relu", [g.conv("x", "c2", 3, 5, stride=2)], "relu_d")
+    cat = g.node("Concat", [a, b, d], "cat", axis=1)
+    g.gemm(g.node("Flatten", [cat], "flatten", axis=1), "head", 240, 5, out="logits")
+    return g.model([corpus._image()], [corpus._logits()])
+
+
+def test_concat_flatten_offsets_take_their_own_columns():
+    """The head loses exactly the 16-feature blocks of the removed channels, at each
+    branch's offset in the concat (hand-derived: (offset + c)·16 + j)."""
+    model = load_model(_concat_flatten())
+    structure = analyze_structure(model)
+    gid = {m: get_group(list(structure.groups), m).group_id for m in ("c0", "c1", "c2")}
+    removed = {gid["c1"]: [0, 5], gid["c2"]: [2]}
+    pruned, _ = prune_channels(model, structure, removed)
+    _assert_equivalent(model, structure, removed, pruned, batch=5)
+    gone = {(4 + c) * 16 + j for c in (0, 5) for j in range(16)} | \
+        {(10 + 2) * 16 + j for j in range(16)}
+    original = next(numpy_helper.to_array(t) for t in model.graph.initializer
+                    if t.name == "head.weight")
+    kept = next(numpy_helper.to_array(t) for t in pruned.graph.initializer
+                if t.name == "head.weight")
+    np.testing.assert_array_equal(kept, original[:, [i for i in range(240) if i not in gone]])
+
+
+def _dense_channel_of(pruned_out: np.ndarray, reference_out: np.ndarray) -> list[int]:
+    """For each channel of ``pruned_out`` (n, C', H, W), the one channel of
+    ``reference_out`` (n, C, H, W) holding the same values (asserted unique)."""
+    found = []
+    for j in range(pruned_out.shape[1]):
+        diff = np.abs(reference_out - pruned_out[:, j:j + 1]).max(axis=(0, 2, 3))
+        match = np.flatnonzero(diff <= 1e-5)
+        assert match.size == 1, (j, diff.min())
+        found.append(int(match[0]))
+    return found
+
+
+def test_kept_output_channels_match_the_outputs_channel_by_channel():
+    """kept_output_channels on a depthwise conv over a concat (groups at offsets 0 and 8),
+    against two derivations that do not use the structure analysis: by hand (dwc reads
+    br_a's 8 channels then br_b's 12), and by brute force: only these two groups are cut,
+    so every channel the pruned "dwc" and "br_b" keep equals one of the ORIGINAL model's."""
+    model = load_model(_mobile())
+    structure = analyze_structure(model)
+    dwc = [g.group_id for g in structure.groups if "dwc" in g.members]
+    removed = {dwc[0]: [1, 6], dwc[1]: [0, 1, 3, 11]}  # channel 1 in both groups
+    kept = kept_output_channels(structure, removed)
+    assert kept == {"br_a": [0, 2, 3, 4, 5, 7],
+                    "br_b": [2, 4, 5, 6, 7, 8, 9, 10],
+                    "dwc": [i for i in range(20) if i not in (1, 6, 8, 9, 11, 19)]}
+    pruned, _ = prune_channels(model, structure, removed)
+    feeds = corpus.random_feeds(model, batch=2, seed=4)
+    want = corpus.run_ort(model, feeds, outputs=["dwc", "br_b"])
+    got = corpus.run_ort(pruned, feeds, outputs=["dwc", "br_b"])
+    for name in ("dwc", "br_b"):
+        assert kept[name] == _dense_channel_of(got[name], want[name])
 
 
 @pytest.mark.parametrize("budget", ["uniform", "global"])

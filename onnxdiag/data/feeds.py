@@ -43,6 +43,25 @@ def _names(keys: Iterable[str], k: int = 5) -> str:
     return shown if len(keys) <= k else f"{shown} (first {k} of {len(keys)})"
 
 
+def effective_batch_size(inputs: Sequence, batch_size: int) -> int:
+    """``batch_size``, or the model's fixed batch dim when it has one."""
+    if batch_size < 1:
+        raise DataError(f"batch_size must be at least 1, got {batch_size}; pass --batch-size >= 1.")
+    fixed = {fixed_batch(s) for s in inputs} - {None}
+    if len(fixed) > 1:
+        raise DataError(
+            f"The model's inputs have different fixed batch sizes {sorted(fixed)}: "
+            f"{format_inputs(inputs)}; re-export the model with one batch size."
+        )
+    return fixed.pop() if fixed else batch_size
+
+
+def fixed_batch(spec) -> int | None:
+    """The spec's fixed batch dim (axis 0), or None when it is dynamic."""
+    dim = spec.shape[0] if spec.shape else None
+    return int(dim) if isinstance(dim, (int, np.integer)) and dim > 0 else None
+
+
 def check_names(arrays: Mapping, inputs: Sequence, what: str, where: str = "") -> None:
     """Every data key is a model input and every model input has data."""
     names = [s.name for s in inputs]
@@ -60,8 +79,11 @@ def check_names(arrays: Mapping, inputs: Sequence, what: str, where: str = "") -
             )
 
 
-def check_meta(arrays: Mapping[str, np.ndarray], inputs: Sequence, where: str = "") -> int:
-    """Sample counts agree, ranks, fixed dims (axis 0 excepted) and dtypes fit; returns n."""
+def check_meta(arrays: Mapping[str, np.ndarray], inputs: Sequence, where: str = "",
+               cast: bool = False) -> int:
+    """Sample counts agree, ranks, fixed dims (axis 0 excepted) and dtypes fit; returns n.
+
+    ``cast``: accept any numeric dtype (see :func:`check_dtype`)."""
     counts = {}
     for spec in inputs:
         array = arrays[spec.name]
@@ -82,7 +104,7 @@ def check_meta(arrays: Mapping[str, np.ndarray], inputs: Sequence, where: str = 
         raise DataError(f"The data{where} are empty (0 samples); pass at least one sample.")
     for spec in inputs:
         _check_shape(spec, arrays[spec.name].shape, where)
-        _check_dtype(spec, arrays[spec.name].dtype, where)
+        check_dtype(spec, arrays[spec.name].dtype, where, cast)
     return n
 
 
@@ -103,18 +125,56 @@ def _check_shape(spec, shape: tuple, where: str) -> None:
             )
 
 
-def _check_dtype(spec, dtype: np.dtype, where: str) -> None:
+def check_dtype(spec, dtype: np.dtype, where: str = "", cast: bool = False) -> None:
+    """The data's dtype may feed ``spec``: the same kind (float64 → float32, int64 → int32
+    within range, checked later), or any numeric dtype when ``cast``.  Integers or
+    booleans into a float input are refused unless ``cast``: they would reach the model
+    unscaled (uint8 pixels 0..255 where it expects its preprocessing)."""
     target, source = np.dtype(spec.dtype), np.dtype(dtype)
-    allowed = {"f": "fiub", "i": "iub", "u": "iub", "b": "b"}.get(target.kind, target.kind)
-    if source.kind in allowed:
+    allowed = {"f": "f", "i": "iub", "u": "iub", "b": "b"}.get(target.kind, target.kind)
+    if source.kind in allowed or (cast and source.kind in "fiub" and target.kind in "fiub"):
         return
     hint = "pass numeric arrays"
-    if source.kind == "f" and target.kind in "iu":
-        hint = f"round and convert it explicitly (x.astype('{target}')) if it holds whole numbers"
+    if source.kind in "iub" and target.kind == "f":
+        hint = ("the integers would reach the model unscaled; apply the model's "
+                f"preprocessing (e.g. x.astype('{target}') / 255), or pass --cast "
+                "(cast=True) to cast the values as they are")
+    elif source.kind == "f" and target.kind in "iu":
+        hint = (f"round and convert it explicitly (x.astype('{target}')) if it holds whole "
+                "numbers, or pass --cast (cast=True)")
     raise DataError(
         f"Data input '{spec.name}'{where} has dtype {source}, but the model expects "
         f"{format_spec(spec)}; {hint}."
     )
+
+
+def cast_notes(arrays: Mapping[str, np.ndarray], inputs: Sequence, rows=None,
+               where: str = "") -> list[str]:
+    """One note per integer (or boolean) input cast into a float input, naming the value
+    range over ``rows`` (all when None): the model sees those values unscaled."""
+    notes = []
+    for spec in inputs:
+        array = arrays[spec.name]
+        if np.dtype(spec.dtype).kind != "f" or array.dtype.kind not in "iub":
+            continue
+        lo, hi = _value_range(array, rows)
+        notes.append(
+            f"Data input '{spec.name}'{where} holds {array.dtype} values {lo}..{hi}, cast to "
+            f"{np.dtype(spec.dtype)} as they are (--cast): check that the model expects this "
+            "scale (image models usually expect 0..1 or normalised values)."
+        )
+    return notes
+
+
+def _value_range(array: np.ndarray, rows) -> tuple:
+    rows = np.arange(len(array)) if rows is None else np.asarray(rows)
+    lo = hi = None
+    for start in range(0, len(rows), _CHUNK):
+        part = np.asarray(array[rows[start:start + _CHUNK]])
+        if part.size:
+            lo = part.min() if lo is None else min(lo, part.min())
+            hi = part.max() if hi is None else max(hi, part.max())
+    return (int(lo), int(hi)) if lo is not None else (None, None)
 
 
 def check_values(
@@ -164,14 +224,15 @@ def cast_feeds(arrays: Mapping[str, np.ndarray], inputs: Sequence, rows) -> dict
 
 def check_feeds(
     arrays: Mapping, inputs: Sequence, indices: np.ndarray,
-    what: str = "feed dict key", where: str = "",
+    what: str = "feed dict key", where: str = "", cast: bool = False,
 ) -> dict:
     """Full check of one piece (names, shapes, dtypes, values); returns cast feeds.
 
-    ``indices`` (m,) are the rows' sample positions, named in messages.
+    ``indices`` (m,) are the rows' sample positions, named in messages; ``cast`` as for
+    :func:`check_dtype`.
     """
     check_names(arrays, inputs, what, where)
-    check_meta(arrays, inputs, where)
+    check_meta(arrays, inputs, where, cast)
     for spec in inputs:
         _check_rows(spec, arrays[spec.name], indices, where)
     return cast_feeds(arrays, inputs, slice(None))

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import DataError, OnnxDiagError
-from .feeds import Piece, check_feeds, check_meta, check_names, format_inputs
+from .feeds import Piece, cast_notes, check_feeds, check_meta, check_names, format_inputs
 
 __all__ = [
     "Stream",
@@ -247,6 +247,8 @@ class Stream:
         self._reads = 0
         self._has_labels = False
         self.n_seen: int | None = None  # samples in the stream, once read to the end
+        self.cast = False  # accept any numeric dtype (open_data's ``cast``)
+        self.notes: list[str] = []  # integer casts into float inputs, from the first item
 
     @classmethod
     def from_object(cls, obj: Any, description: str) -> Stream:
@@ -327,9 +329,11 @@ class Stream:
         arrays = {k: np.asarray(v) for k, v in item.items()}
         own = arrays.pop("labels", None)
         check_names(arrays, inputs, "feed dict key", where)
-        m = check_meta(arrays, inputs, where)
+        m = check_meta(arrays, inputs, where, self.cast)
+        if number == 0 and self.cast:
+            self.notes = cast_notes(arrays, inputs, where=f" ({self.description}, first item)")
         indices = np.arange(position, position + m, dtype=np.int64)
-        feeds = check_feeds(arrays, inputs, indices, where=where)
+        feeds = check_feeds(arrays, inputs, indices, where=where, cast=self.cast)
         return feeds, self._item_labels(own, number, indices, where), indices
 
     def _item_labels(self, own, number: int, indices: np.ndarray, where: str):

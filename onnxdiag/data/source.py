@@ -2,10 +2,12 @@
 
 ``open_data`` accepts .npy / .npz files, image folders, loader scripts, in-memory arrays
 and ONNX Runtime calibration readers; it checks names, shapes, dtypes, values and labels
-against the model's inputs before any work."""
+against the model's inputs before any work.  Labels are checked against a model's class
+count with :func:`~onnxdiag.data.labels.check_label_range`."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,10 +19,13 @@ from ..errors import DataError
 from ..runtime.progress import progress
 from .feeds import (
     cast_feeds,
+    cast_notes,
     check_feeds,
     check_meta,
     check_names,
     check_values,
+    effective_batch_size,
+    fixed_batch,
     format_inputs,
     rebatch,
     select_first,
@@ -28,24 +33,32 @@ from .feeds import (
     select_smallest_keys,
 )
 from .images import ImageOptions, list_images, load_images, resolve_options
-from .readers import (
-    Stream,
-    as_labels,
-    concat_feed_dicts,
-    load_labels,
-    open_loader_script,
-    open_path,
+from .labels import (
+    check_batch_labels,
+    check_label_count,
+    check_label_range,
+    merge_labels,
+    read_labels_arg,
+    source_name,
 )
+from .readers import Stream, concat_feed_dicts, load_labels, open_loader_script, open_path
 
 __all__ = [
     "Batch",
     "DataSource",
+    "DataWarning",
     "ImageOptions",
     "InputSpec",
+    "check_label_range",
     "load_labels",
     "open_data",
     "progress",
 ]
+
+
+class DataWarning(UserWarning):
+    """Data were used in a way that may not be what the user meant (e.g. integers cast
+    into a float input with ``cast=True``); the same text is in ``describe()["notes"]``."""
 
 
 @dataclass(frozen=True)
@@ -75,8 +88,16 @@ class DataSource:
 
     Attributes: ``kind`` ("npy", "npz", "arrays", "image_folder", "loader_script",
     "reader", "iterable"), ``path`` (str or None), ``class_names`` (tuple or None),
-    ``limit``, ``seed``, ``batch_size`` (the effective one).
+    ``limit``, ``seed``, ``batch_size`` (the effective one), ``cast`` (integers may feed
+    float inputs), ``notes`` (what the user should know, e.g. such casts), ``n_classes``
+    (set by :meth:`require_classes`: every batch's labels are checked against it).
     """
+
+    cast = False
+    n_classes: int | None = None
+    _labels: np.ndarray | None = None  # every source sample's label, when in memory
+    _label_where = ""
+    _notes: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -118,6 +139,23 @@ class DataSource:
         return self._indices
 
     @property
+    def selected_labels(self) -> np.ndarray | None:
+        """(n_samples,) labels of the selected samples when held in memory, else None."""
+        if self._labels is None or self._indices is None:
+            return None
+        return self._labels[self._indices]
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        return self._notes
+
+    def require_classes(self, n_classes: int, where: str | None = None) -> None:
+        """Check every batch's labels against ``n_classes`` from now on (DataError on the
+        first outside [0, n_classes)); see :func:`~onnxdiag.data.labels.check_label_range`,
+        which also checks labels held in memory at once."""
+        self.n_classes, self._label_where = int(n_classes), where or source_name(self)
+
+    @property
     def random_access(self) -> bool:
         """Whether any batch can be read by position (arrays and image folders; not
         streams), as :meth:`batch_range` needs."""
@@ -137,10 +175,17 @@ class DataSource:
     def batches(self) -> Iterator[Batch]:
         """Batches of at most ``batch_size`` samples, in source order."""
         batches = self._indexed_batches() if self._fetch else self._stream_batches()
+        if self.n_classes is not None:
+            batches = self._label_checked(batches)
         if not self._show_progress:
             return batches
         label = f"Reading {self.kind}" + (f" '{self.path}'" if self.path else "")
         return progress(batches, self.n_samples, label, step=len)
+
+    def _label_checked(self, batches: Iterator[Batch]) -> Iterator[Batch]:
+        for batch in batches:
+            check_batch_labels(batch.labels, batch.indices, self.n_classes, self._label_where)
+            yield batch
 
     def _indexed_batches(self) -> Iterator[Batch]:
         return self.batch_range(0, -(-self._indices.size // self.batch_size))
@@ -154,7 +199,7 @@ class DataSource:
         return self._stream_rebatch(pieces)
 
     def _stream_rebatch(self, pieces) -> Iterator[Batch]:
-        fixed = any(_fixed_batch(s) for s in self.inputs)
+        fixed = any(fixed_batch(s) for s in self.inputs)
         seen = []
         for feeds, labels, indices in rebatch(pieces, self.batch_size, fixed):
             seen.append(indices)
@@ -188,6 +233,8 @@ class DataSource:
             "has_labels": self.has_labels,
             "indices": self._indices.tolist() if subset else None,
             "class_names": list(self.class_names) if self.class_names else None,
+            "cast": self.cast,
+            "notes": list(self._notes),
             **self._extra,
         }
 
@@ -202,6 +249,7 @@ def open_data(
     batch_size: int = 64,
     image_options: ImageOptions | None = None,
     progress: bool = False,
+    cast: bool = False,
 ) -> DataSource:
     """Open ``source`` for the model inputs ``inputs`` (see the module docstring).
 
@@ -213,9 +261,14 @@ def open_data(
         seed: makes ``limit`` a random subset; recorded in ``describe()``.
         batch_size: maximum batch size; a fixed batch dim in the model overrides it.
         progress: show a progress bar on a terminal.
+        cast: accept any numeric dtype and cast it to the model's (**our default** False:
+            integers or booleans into a float input are a DataError, as they would reach
+            the model unscaled).  Each integer input cast into a float one gives a
+            :class:`DataWarning` naming its value range (also in ``describe()["notes"]``).
 
     Raises DataError for every problem listed in SPEC B1's data contract, before
-    returning when the data are in memory.  Never modifies ``source``.
+    returning when the data are in memory.  Never modifies ``source``.  Labels are
+    checked against the model's classes by :func:`check_label_range`.
     """
     inputs = tuple(inputs)
     if not inputs:
@@ -226,36 +279,19 @@ def open_data(
         inputs=inputs, batch_size=effective_batch_size(inputs, batch_size),
         limit=limit, seed=seed, show_progress=progress,
     )
-    extra_labels = None if labels is None else _read_labels_arg(labels)
+    extra_labels = None if labels is None else read_labels_arg(labels)
     if isinstance(source, (str, Path)):
         if _is_script(source):
             loaded, where = open_loader_script(str(source))
-            return _open_object(loaded, "loader_script", str(source), extra_labels, common, where)
+            return _open_object(loaded, "loader_script", str(source), extra_labels, common,
+                                where, cast)
         path = Path(source)
         if path.is_dir():
             return _open_images(path, extra_labels, image_options, common)
         arrays, kind = open_path(path, inputs)
-        return _open_arrays(arrays, kind, str(path), extra_labels, common)
+        return _open_arrays(arrays, kind, str(path), extra_labels, common, cast)
     kind = "reader" if callable(getattr(source, "get_next", None)) else None
-    return _open_object(source, kind, None, extra_labels, common, None)
-
-
-def effective_batch_size(inputs: Sequence[InputSpec], batch_size: int) -> int:
-    """``batch_size``, or the model's fixed batch dim when it has one."""
-    if batch_size < 1:
-        raise DataError(f"batch_size must be at least 1, got {batch_size}; pass --batch-size >= 1.")
-    fixed = {_fixed_batch(s) for s in inputs} - {None}
-    if len(fixed) > 1:
-        raise DataError(
-            f"The model's inputs have different fixed batch sizes {sorted(fixed)}: "
-            f"{format_inputs(inputs)}; re-export the model with one batch size."
-        )
-    return fixed.pop() if fixed else batch_size
-
-
-def _fixed_batch(spec: InputSpec) -> int | None:
-    dim = spec.shape[0] if spec.shape else None
-    return int(dim) if isinstance(dim, (int, np.integer)) and dim > 0 else None
+    return _open_object(source, kind, None, extra_labels, common, None, cast)
 
 
 def _is_script(source: str | Path) -> bool:
@@ -263,28 +299,32 @@ def _is_script(source: str | Path) -> bool:
     return text.endswith(".py") or (":" in text and text.rsplit(":", 1)[0].endswith(".py"))
 
 
-def _read_labels_arg(labels: Any) -> np.ndarray:
-    if isinstance(labels, (str, Path)):
-        return load_labels(labels)
-    return as_labels(labels, "the labels argument")
-
-
-def _open_object(obj, kind, path, extra_labels, common, where) -> DataSource:
+def _open_object(obj, kind, path, extra_labels, common, where, cast) -> DataSource:
     """A dict of arrays, a list of feed dicts, a reader or any iterable of feed dicts."""
     where = where or {"reader": "calibration data reader"}.get(kind, "data iterable")
     if isinstance(obj, np.ndarray):
         obj = _single_input_dict(obj, common["inputs"], "array")
     if isinstance(obj, Mapping):
-        return _open_arrays(dict(obj), kind or "arrays", path, extra_labels, common)
+        return _open_arrays(dict(obj), kind or "arrays", path, extra_labels, common, cast)
     if isinstance(obj, (list, tuple)):
         arrays = concat_feed_dicts(obj, where)
-        return _open_arrays(arrays, kind or "iterable", path, extra_labels, common)
+        return _open_arrays(arrays, kind or "iterable", path, extra_labels, common, cast)
     stream = Stream.from_object(obj, where)
     stream.set_labels(extra_labels)
-    return DataSource(
+    stream.cast = cast
+    source = DataSource(
         kind=kind or "iterable", path=path, n_source=None,
         has_labels=stream.peek(common["inputs"]), stream=stream, **common,
     )
+    return _noted(source, cast, stream.notes)
+
+
+def _noted(source: DataSource, cast: bool, notes) -> DataSource:
+    """Record ``cast`` and the cast ``notes`` on ``source``; each note is also a warning."""
+    source.cast, source._notes = bool(cast), tuple(notes)
+    for note in notes:
+        warnings.warn(note, DataWarning, stacklevel=4)
+    return source
 
 
 def _single_input_dict(array: np.ndarray, inputs, what: str) -> dict:
@@ -296,26 +336,27 @@ def _single_input_dict(array: np.ndarray, inputs, what: str) -> dict:
     return {inputs[0].name: array}
 
 
-def _open_arrays(arrays: dict, kind, path, extra_labels, common) -> DataSource:
+def _open_arrays(arrays: dict, kind, path, extra_labels, common, cast) -> DataSource:
     """In-memory (or memory-mapped) arrays: validated eagerly over the selection."""
     inputs = common["inputs"]
     arrays = dict(arrays)
     own = arrays.pop("labels", None)
-    labels = _merge_labels(own, extra_labels, f"the {kind} key 'labels'")
+    labels = merge_labels(own, extra_labels, f"the {kind} key 'labels'")
     arrays = {k: np.asarray(v) if not isinstance(v, np.ndarray) else v for k, v in arrays.items()}
     what = {"npz": "npz key", "npy": "array"}.get(kind, "dict key")
     check_names(arrays, inputs, what)
-    n = check_meta(arrays, inputs)
-    _check_label_count(labels, n, f"'{path}'" if path else f"the {kind} data")
+    n = check_meta(arrays, inputs, cast=cast)
+    check_label_count(labels, n, f"'{path}'" if path else f"the {kind} data")
     source = DataSource(
         kind=kind, path=path, n_source=n, has_labels=labels is not None,
         fetch=lambda idx: (cast_feeds(arrays, inputs, idx),
                            None if labels is None else labels[idx]),
         **common,
     )
+    source._labels = labels
     _check_fixed_batch(source)
     check_values(arrays, inputs, source.indices)
-    return source
+    return _noted(source, cast, cast_notes(arrays, inputs, source.indices) if cast else ())
 
 
 def _open_images(folder: Path, extra_labels, options, common) -> DataSource:
@@ -331,8 +372,8 @@ def _open_images(folder: Path, extra_labels, options, common) -> DataSource:
     if not paths:
         raise DataError(f"Image folder '{folder}' holds no images (looked for .png, .jpg, ...); "
                         "point to a folder of images or class sub-folders.")
-    labels = _merge_labels(own, extra_labels, "class sub-folders")
-    _check_label_count(labels, len(paths), f"'{folder}'")
+    labels = merge_labels(own, extra_labels, "class sub-folders")
+    check_label_count(labels, len(paths), f"'{folder}'")
 
     def fetch(idx: np.ndarray):
         batch = load_images([paths[i] for i in idx], idx, resolved, np.dtype(spec.dtype))
@@ -343,30 +384,13 @@ def _open_images(folder: Path, extra_labels, options, common) -> DataSource:
         kind="image_folder", path=str(folder), n_source=len(paths), has_labels=labels is not None,
         class_names=class_names, fetch=fetch, extra={"image_options": resolved.to_dict()}, **common,
     )
+    source._labels = labels
     _check_fixed_batch(source)
     return source
 
 
-def _merge_labels(own, extra: np.ndarray | None, own_name: str) -> np.ndarray | None:
-    if own is not None and extra is not None:
-        raise DataError(
-            f"Labels are given twice: by {own_name} and by the labels argument; drop one."
-        )
-    if own is not None:
-        return as_labels(own, own_name)
-    return extra
-
-
-def _check_label_count(labels: np.ndarray | None, n: int, where: str) -> None:
-    if labels is not None and labels.size != n:
-        raise DataError(
-            f"There are {labels.size} labels for {n} samples in {where}; "
-            "give exactly one label per sample."
-        )
-
-
 def _check_fixed_batch(source: DataSource) -> None:
-    fixed = [s for s in source.inputs if _fixed_batch(s)]
+    fixed = [s for s in source.inputs if fixed_batch(s)]
     n, size = source.n_samples, source.batch_size
     if fixed and n % size:
         raise DataError(

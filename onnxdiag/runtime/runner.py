@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from ..errors import DataError, MissingExtraError, OnnxDiagError
+from ..errors import DataError, MissingExtraError, ModelLoadError, OnnxDiagError
 
 #: Short names accepted by ``--providers``.
 PROVIDER_ALIASES = {
@@ -111,8 +112,8 @@ class OrtRunner:
         options.log_severity_level = 3
         self.requested_providers = resolve_providers(providers)
         self._tmp = None
-        self.session = ort.InferenceSession(self._session_source(model), options,
-                                            providers=self.requested_providers)
+        self.session = open_session(self._session_source(model), options,
+                                    self.requested_providers)
         self.providers = list(self.session.get_providers())
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
@@ -163,6 +164,104 @@ class OrtRunner:
             batches = progress(batches, source_total_batches(source), label)
         for batch in batches:
             yield batch, self.run(batch.feeds, output_names)
+
+
+def open_session(source, options, providers: list[str]):
+    """``onnxruntime.InferenceSession(source, options, providers=providers)``.
+
+    Raises:
+        ModelLoadError: this ONNX Runtime cannot run the model: an opset newer than it
+            supports, or an operator it has no kernel or schema for (one line naming the
+            versions; the ORT exception is chained for ``--debug``).  Any other failure is
+            re-raised as it is.
+    """
+    ort = import_ort()
+    try:
+        return ort.InferenceSession(source, options, providers=providers)
+    except Exception as exc:  # ORT raises its own exception types
+        reason = runtime_refusal(source, str(exc), providers)
+        if reason is None:
+            raise
+        raise ModelLoadError(reason) from exc
+
+
+_TOO_NEW = re.compile(r"Opset (\d+) is under development.*?support for domain (\S+) is till "
+                      r"opset (\d+)", re.S)
+_IR_TOO_NEW = re.compile(r"Unsupported model IR version: (\d+), max supported IR version: "
+                         r"(\d+)")
+_NO_KERNEL = re.compile(r"Could not find an implementation for (\S+?)\((\d+)\) node with "
+                        r"name '([^']*)'")
+_NO_OP = re.compile(r"No Op registered for (\S+) with domain_version of (\d+)|"
+                    r"(\S+?)\(-?\d+\) is not a registered function/op")
+
+
+def runtime_refusal(source, message: str, providers=()) -> str | None:
+    """Why ONNX Runtime refused ``source`` (a path or model bytes), as one line, when it
+    is a version or operator-support limit of the installed runtime; else None."""
+    version = import_ort().__version__
+    if found := _TOO_NEW.search(message):
+        model, domain, top = found.groups()
+        return (f"The model uses opset {model} of domain {domain}, newer than the installed "
+                f"ONNX Runtime {version} supports (up to opset {top}); upgrade onnxruntime "
+                f"(pip install -U onnxruntime) or re-export the model with opset {top} or "
+                "lower.")
+    if found := _IR_TOO_NEW.search(message):
+        model, top = found.groups()
+        return (f"The model has IR version {model}, newer than the installed ONNX Runtime "
+                f"{version} reads (up to IR version {top}); upgrade onnxruntime or re-export "
+                "the model with an older exporter / onnx package.")
+    stamp = _opset_stamp(source)
+    if found := _NO_KERNEL.search(message):
+        op, since, node = found.groups()
+        return (f"The installed ONNX Runtime {version} has no kernel for {op} (version "
+                f"{since}, node {node!r}) with these input types on {', '.join(providers)}; "
+                f"{stamp}. Re-export the model with types or operators it supports, upgrade "
+                "onnxruntime, or choose other --providers.")
+    if found := _NO_OP.search(message):
+        op = found.group(1) or found.group(3)
+        return (f"The installed ONNX Runtime {version} does not know operator {op}; {stamp}. "
+                "Re-export the model without it, upgrade onnxruntime, or register the "
+                "custom-operator library that defines it.")
+    return None
+
+
+def _opset_stamp(source) -> str:
+    """'model opset ai.onnx 17 (runtime up to 28)' for the model's standard domains."""
+    model = onnx.ModelProto()
+    try:
+        if isinstance(source, (bytes, bytearray)):
+            model.ParseFromString(bytes(source))
+        else:
+            model = onnx.load(os.fspath(source), load_external_data=False)
+    except Exception:  # noqa: BLE001 - only a detail of the message
+        return "model opset unknown"
+    top = runtime_opsets()
+    parts = [f"{o.domain or 'ai.onnx'} {o.version}"
+             + (f" (runtime up to {top[d]})" if (d := _domain_key(o.domain)) in top else "")
+             for o in model.opset_import if o.domain in ("", "ai.onnx", "ai.onnx.ml")]
+    old = any(o.domain in ("", "ai.onnx") and o.version < 7 for o in model.opset_import)
+    return "model opset " + (", ".join(parts) or "none") + (
+        " (ONNX Runtime runs opset 7 and later: convert the model with "
+        "onnx.version_converter)" if old else "")
+
+
+def _domain_key(domain: str) -> str:
+    return "" if domain == "ai.onnx" else domain
+
+
+def runtime_opsets() -> dict[str, int]:
+    """{domain: newest opset} of the operator schemas the installed ONNX Runtime registers
+    ("" is ai.onnx); empty when this build does not list them."""
+    try:
+        from onnxruntime.capi import onnxruntime_pybind11_state as state
+
+        schemas = state.get_all_operator_schema()
+    except Exception:  # noqa: BLE001 - an optional detail (not every build exposes it)
+        return {}
+    top: dict[str, int] = {}
+    for schema in schemas:
+        top[schema.domain] = max(top.get(schema.domain, 0), int(schema.since_version))
+    return top
 
 
 def single_threaded_blas():

@@ -287,7 +287,8 @@ def evaluate_selection(readout_series: Mapping[str, Sequence[float]], accuracy: 
 
     ``readout_series``: name -> one value per checkpoint; directions come from READOUTS,
     ``directions`` overrides or adds names.  ``accuracy`` fractions, ``loss`` optional.
-    Baselines: ``last`` checkpoint and ``random`` (expected accuracy over the window).
+    Baselines: ``last`` checkpoint and ``random`` (expected accuracy of a uniform draw among
+    the window's unflagged checkpoints; the whole window when all are flagged).
     """
     acc = _accuracy(accuracy)
     T = acc.size

@@ -45,6 +45,10 @@ class SegmentedPass:
         batches: a list of feed dicts (the calibration set, in memory).
         providers, threads, optimization: see :class:`~onnxdiag.runner.OrtRunner`.
 
+    Edits may change initializers and rewire node inputs to new initializers (as
+    :func:`~onnxdiag.sparsity.masks.set_input_constant` does); each segment reads its
+    nodes' inputs when it runs.
+
     Attributes: ``frontier`` {tensor: [per-batch arrays]}; ``done`` position of the last
     executed node; ``n_segments`` sessions run so far.
     """
@@ -88,7 +92,9 @@ class SegmentedPass:
 
     def _run_segment(self, nodes, start, end, produced, wanted) -> None:
         inits = {t.name: t for t in self.model.graph.initializer}
-        reads = set().union(*self.reads[start:end + 1]) - produced
+        # read the nodes now, not at construction: an edit between segments may rewire an
+        # input (e.g. a BN statistic held by a Constant node) to a new initializer
+        reads = set().union(*(node_reads(n) for n in nodes)) - produced
         # Constant nodes of earlier segments (e.g. Clip bounds) are re-emitted here rather
         # than fed: their outputs have no batch dimension (often rank 0).
         consts = [self.index.producer[t] for t in sorted(reads)
