@@ -15,6 +15,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxdiag.graph import analyze_structure
+from onnxdiag.model.edit import ModelEditor
 from onnxdiag.model.io import load_model
 from onnxdiag.sparsity import (
     allocate_sparsity,
@@ -24,7 +25,6 @@ from onnxdiag.sparsity import (
     read_weights,
     repair_model,
 )
-from onnxdiag.sparsity.masks import count_uses, set_input_constant
 from onnxdiag.sparsity.segments import SegmentedPass
 
 
@@ -85,20 +85,19 @@ def test_edits_between_segments_reach_constant_node_readers():
     calib = _calib(model)
     new_mean, new_var = np.linspace(-1, 1, 16), np.linspace(0.5, 2, 16)
 
-    def edit(m):
-        bn1 = next(n for n in m.graph.node if n.name == "bn1")
-        uses = count_uses(m)
-        set_input_constant(m, bn1, 3, new_mean.astype(np.float32), uses)
-        set_input_constant(m, bn1, 4, new_var.astype(np.float32), uses)
+    def edit(editor):  # as the repairs do: through the editor whose model the pass runs
+        editor.set_input("bn1", 3, new_mean.astype(np.float32))
+        editor.set_input("bn1", 4, new_var.astype(np.float32))
 
-    seg = SegmentedPass(model, calib, providers="cpu")
+    editor = ModelEditor(model)
+    seg = SegmentedPass(editor.model, calib, providers="cpu")
     seg.run_to(seg.position("conv1"), keep=["conv1"])
-    edit(seg.model)
+    edit(editor)
     seg.run_to(seg.position("logits"), keep=["logits"])
     assert seg.n_segments == 2
-    edited = onnx.ModelProto()
-    edited.CopyFrom(load_model(_paddle_style()))
-    edit(edited)
+    reference = ModelEditor(load_model(_paddle_style()))
+    edit(reference)
+    edited = reference.finish()
     for i, feeds in enumerate(calib):
         want = corpus.run_ort(edited, feeds)["logits"]
         np.testing.assert_allclose(seg.frontier["logits"][i], want, rtol=1e-5, atol=1e-6)

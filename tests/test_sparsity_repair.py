@@ -309,10 +309,9 @@ def _bns_sharing_parameters():
     return g.model([corpus._image()], [corpus._logits()])
 
 
-@pytest.mark.xfail(strict=True, reason="SegmentedPass (sparsity/segments.py) lists what each "
-                   "node reads once; the copy-on-write copy of a shared BN parameter is not "
-                   "fed to its segment (ORT: 'not a graph input, initializer, or output')")
 def test_recalibrating_bns_that_share_parameters_copies_them_first():
+    # SegmentedPass reads each node's inputs when its segment runs, so the copy-on-write
+    # copy of a shared BN parameter reaches its segment.
     model, structure, masks, calib = _setup(_bns_sharing_parameters)
     out, record = repair_model(model, structure, masks, calib, method="bn")
     assert sorted(record.bns) == ["bn0", "bn1"]
