@@ -119,3 +119,13 @@ def test_sigint_exits_130_and_releases_the_claimed_folder(tmp_path):
     assert stderr.strip().splitlines()[-1] == "interrupted"
     assert "Traceback" not in stderr and stdout == ""
     assert os.listdir(tmp_path) == []
+
+
+def test_the_api_refuses_a_readout_verb_without_probe_data():
+    import onnxdiag
+    from onnxdiag.errors import OnnxDiagError
+
+    for verb, model in ((onnxdiag.readouts_report, SAMPLE.model),
+                        (onnxdiag.select_report, [SAMPLE.model])):
+        with pytest.raises(OnnxDiagError, match="need.? a probe batch: pass --data"):
+            verb(model, data=None, report=onnxdiag.ReportTarget(write=False))

@@ -45,7 +45,12 @@ def _case(command):
 
 
 def test_every_command_is_covered():
-    assert set(COMMANDS) == set(onnxdiag.CLI_VERBS)
+    """COMMANDS names every command, each in the module that registers it."""
+    from onnxdiag.cli import load_all
+
+    assert set(COMMANDS) == set(onnxdiag.CLI_VERBS) == set(load_all().commands)
+    for name, module in COMMANDS.items():
+        assert load_all().commands[name].callback.__module__ == f"onnxdiag.cli.{module}"
 
 
 @pytest.mark.parametrize("command", [_case(None), *(_case(c) for c in sorted(COMMANDS))])

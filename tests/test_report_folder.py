@@ -163,3 +163,12 @@ def test_report_target_without_write_claims_nothing(tmp_path):
     with ReportTarget(tmp_path / "rep", write=False).claim("analyze") as claim:
         assert claim is None
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", [".", ".."])
+def test_the_working_folder_itself_is_never_a_report_folder(tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.txt").write_text("mine")
+    with pytest.raises(OutputError, match="has no name of its own"):
+        claim_report_folder(name, overwrite=True)
+    assert os.listdir(tmp_path) == ["mine.txt"]

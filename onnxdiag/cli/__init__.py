@@ -63,8 +63,11 @@ class _Group(click.Group):
         return sorted(set(COMMANDS) | set(self.commands))
 
     def get_command(self, ctx, name):
-        if name not in self.commands and name in COMMANDS:
-            importlib.import_module(f"{__name__}.{COMMANDS[name]}")
+        if name not in self.commands:
+            if name in COMMANDS:
+                importlib.import_module(f"{__name__}.{COMMANDS[name]}")
+            else:  # a command missing from COMMANDS still works, only slower
+                load_all()
         return super().get_command(ctx, name)
 
     def invoke(self, ctx):
@@ -112,4 +115,8 @@ def load_all() -> click.Group:
 
 def main() -> None:
     """Console-script entry point."""
-    cli(prog_name="onnxdiag")
+    try:
+        cli(prog_name="onnxdiag")
+    except KeyboardInterrupt:  # outside a command (while exiting): the same status
+        click.echo("interrupted", err=True)
+        raise SystemExit(EXIT_INTERRUPTED) from None

@@ -83,6 +83,9 @@ def readouts_report(model, *, data, eval_data=None,
     """Readouts of one model on a probe batch (``onnxdiag readouts``), with accuracy and
     loss on ``eval_data`` when given (docs/METHODS.md §A2)."""
     roles = {"data": DataRequest.of(data), "eval_data": DataRequest.of(eval_data)}
+    if roles["data"] is None:
+        raise OnnxDiagError("readouts need a probe batch: pass --data (data=...) with samples "
+                            "of the model's inputs.")
     return _single_model_report("readouts", model, roles, options, head, runtime, report)
 
 

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import OnnxDiagError
 from ..report import SCHEMA_VERSION, build_metadata, rows_to_csv
 from .analyze import readout_row, run_parameters
 from .base import (
@@ -64,6 +65,9 @@ def select_report(checkpoints, *, data, eval_data=None,
     from ..selection.readouts import HEAD_GRAD_NAMES, get_readout
 
     data, eval_data = DataRequest.of(data), DataRequest.of(eval_data)
+    if data is None:
+        raise OnnxDiagError("select needs a probe batch: pass --data (data=...) with samples "
+                            "of the model's inputs.")
     with report.claim("select") as claim:
         series = list_checkpoints(checkpoints)
         select_by = options.select_by or HEAD_GRAD_NAMES[options.norm]

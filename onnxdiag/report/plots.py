@@ -79,7 +79,8 @@ def plot_selection(report: dict) -> list:
             ax.axvspan(i - 0.4, i + 0.4, color="0.85")
     for ax in axes[len(names):]:
         ax.set_visible(False)
-    axes[0].legend(fontsize=7, loc="best")
+    if axes[0].get_legend_handles_labels()[0]:  # a selected / oracle line was drawn
+        axes[0].legend(fontsize=7, loc="best")
     cap = ("Readouts (blue) per checkpoint; grey line: test accuracy (%) when evaluation "
            "data was given; red dashed: the readout's selected checkpoint; green dotted: "
            "the oracle; grey band: flagged (degenerate) checkpoints.")

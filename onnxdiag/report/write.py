@@ -113,6 +113,9 @@ def claim_report_folder(folder, *, overwrite: bool = False,
             another run holds it.
     """
     folder = Path(folder)
+    if folder.name in ("", ".", ".."):
+        raise OutputError(f"Report folder '{folder}' has no name of its own; give a new "
+                          "folder name with --out (its contents are replaced as a whole).")
     made = _make_folders(folder)
     token = f"{socket.gethostname()} {os.getpid()} {uuid.uuid4().hex}"
     try:
