@@ -1,8 +1,18 @@
 """onnxdiag: diagnose, prune and repair trained ONNX classifiers.
 
-The public API mirrors the CLI verbs: each returns a result record
-(:class:`onnxdiag.commands.base.CommandResult` with ``.report`` (the JSON dict), ``.summary``,
-``.text``, ``.csv`` and ``.folder``); pass ``write=False`` to skip the report folder.
+The public API mirrors the CLI verbs: each takes the model, then records —
+:class:`DataRequest` per data role (``data=``, ``eval_data=``; a plain path works too),
+the verb's own options record (``options=``), :class:`HeadChoice` (``head=``),
+:class:`Runtime` (``runtime=``) and :class:`ReportTarget` (``report=``) — and returns a
+:class:`onnxdiag.commands.base.CommandResult` with ``.report`` (the JSON dict),
+``.summary``, ``.text``, ``.csv`` and ``.folder``; ``report=ReportTarget(write=False)``
+skips the report folder::
+
+    import onnxdiag
+    from onnxdiag import DataRequest, ReportTarget
+
+    result = onnxdiag.analyze("model.onnx", data=DataRequest("calib.npz", limit=256),
+                              eval_data="eval.npz", report=ReportTarget(write=False))
 
 ==========================  ===========================
 CLI                         Python
@@ -40,6 +50,10 @@ _VERBS = {
     "sweep_report": "commands.sweep",
 }
 
+#: The records the verbs take (commands/base.py: standard library only).
+_RECORDS = {name: "commands.base" for name in ("DataRequest", "HeadChoice", "Runtime",
+                                                "ReportTarget")}
+
 #: CLI command -> the Python function it calls.
 CLI_VERBS = {
     "analyze": "analyze",
@@ -55,12 +69,12 @@ CLI_VERBS = {
     "sweep": "sweep_report",
 }
 
-__all__ = [*_VERBS, "CLI_VERBS", "__version__"]
+__all__ = [*_VERBS, *_RECORDS, "CLI_VERBS", "__version__"]
 
 
 def __getattr__(name):
     # Lazy: `import onnxdiag` stays cheap; each verb lives in its module.
-    module = _VERBS.get(name)
+    module = _VERBS.get(name) or _RECORDS.get(name)
     if module is None:
         raise AttributeError(f"module 'onnxdiag' has no attribute {name!r}")
     import importlib
@@ -69,4 +83,4 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted([*globals(), *_VERBS])
+    return sorted([*globals(), *_VERBS, *_RECORDS])

@@ -1,9 +1,11 @@
 """Errors a user can fix.  No logic lives here.
 
 A user error is an :class:`OnnxDiagError`: its message is one line saying what
-failed, the offending value, what exists and what to do.  The CLI prints it and
-exits with status 1, without a traceback.  Anything else is a bug and keeps its
-traceback.
+failed, the offending value, what exists and what to do.  The CLI prints it as
+``error: …`` and exits with status 1, without a traceback.  Anything else is a bug:
+the CLI prints ``internal error: <Type>: <message> …`` and exits with status 3, and
+``--debug`` (or ONNXDIAG_DEBUG=1) shows the traceback (for a failed unit of work,
+:class:`onnxdiag.runtime.executor.UnitFailure`, also the worker's own).
 """
 
 

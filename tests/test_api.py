@@ -4,10 +4,11 @@ import subprocess
 import sys
 
 import onnxdiag
-from onnxdiag.cli import cli
+from onnxdiag.cli import load_all
 
 
 def test_every_cli_command_has_a_python_verb():
+    cli = load_all()
     assert set(cli.commands) == set(onnxdiag.CLI_VERBS)
     for command, name in onnxdiag.CLI_VERBS.items():
         fn = getattr(onnxdiag, name)
@@ -35,7 +36,8 @@ def test_readme_example_runs_on_the_sample():
     from onnxdiag.data.sample import get_sample
 
     s = get_sample()
-    result = onnxdiag.analyze(str(s.model), data=str(s.calibration), limit=64, write=False)
+    result = onnxdiag.analyze(str(s.model), data=onnxdiag.DataRequest(str(s.calibration), limit=64),
+                              report=onnxdiag.ReportTarget(write=False))
     assert result.folder is None
     value = result.report["readouts"]["readouts"]["values"]["head_grad_feature"]
     assert value > 0 and f"{value:.4g}"[:4] in result.summary.replace(" ", "")

@@ -34,7 +34,7 @@ def test_analyze_bundled_sample(tmp_path):
     assert meta["providers"] == ["CPUExecutionProvider"]
     assert "onnxruntime" in meta["onnxruntime"]["distributions"]
     assert len(meta["model_sha256"]) == 64
-    assert len(meta["data"]["probe"]["indices"]) == 256
+    assert len(meta["data"]["calibration"]["indices"]) == 256
     assert report["structure"]["head"]["n_classes"] == 10
     ro = report["readouts"]
     assert ro["head_rel_error"] < 1e-4

@@ -8,6 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from onnxdiag.cli import cli
+from onnxdiag.commands.base import DataRequest, ReportTarget, Runtime
 from onnxdiag.commands.select import select_report
 from onnxdiag.data.sample import get_sample
 from onnxdiag.errors import MissingExtraError, OnnxDiagError
@@ -66,10 +67,11 @@ def _series(tmp_path):
 
 def test_select_on_ray_equals_local(ray_executor, tmp_path):
     series = _series(tmp_path)
-    args = dict(data=str(SAMPLE.calibration), eval_data=str(SAMPLE.evaluation), limit=150,
-                write=False, progress=False)
-    local = select_report(series, jobs=2, **args).report
-    on_ray = select_report(series, executor=ray_executor, **args).report
+    args = dict(data=DataRequest(str(SAMPLE.calibration), limit=150),
+                eval_data=str(SAMPLE.evaluation), report=ReportTarget(write=False))
+    local = select_report(series, runtime=Runtime(jobs=2, progress=False), **args).report
+    on_ray = select_report(series, runtime=Runtime(executor=ray_executor, progress=False),
+                           **args).report
     assert on_ray["metadata"]["executor"]["kind"] == "ray"
     a, b = local["selection"], on_ray["selection"]
     assert [f["path"] for f in a["failed"]] == [f["path"] for f in b["failed"]] == [series[3]]

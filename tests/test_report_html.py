@@ -84,9 +84,9 @@ def test_html_has_one_decodable_plot_per_section(reports):
     pytest.importorskip("matplotlib")
     import base64
 
-    # analyze: the transition scan of its repairability section; rr: RR curves + scan;
-    # sweep: accuracy vs sparsity + per-layer sparsity bars.
-    expected = {"analyze": 1, "readouts": 0, "select": 1, "channels": 1, "rr": 2, "sweep": 2,
+    # analyze: readouts, channel axes, RR curves, transition scan; readouts: its readouts;
+    # rr: RR curves + scan; sweep: accuracy vs sparsity + per-layer sparsity bars.
+    expected = {"analyze": 4, "readouts": 1, "select": 1, "channels": 1, "rr": 2, "sweep": 2,
                 "prune-sweep": 1}
     for verb, n in expected.items():
         page = (reports[verb] / "report.html").read_text()
@@ -98,6 +98,38 @@ def test_html_has_one_decodable_plot_per_section(reports):
         txt = (reports[verb] / "report.txt").read_text()
         assert txt.splitlines()[0].replace("&", "&amp;").replace("<", "&lt;") in page
         assert "http://" not in page and "https://" not in page  # self-contained
+
+
+def test_analyze_html_has_a_plot_for_every_section_it_computes(reports):
+    pytest.importorskip("matplotlib")
+    import base64
+
+    report = json.loads((reports["analyze"] / "report.json").read_text())
+    computed = {name for name in ("readouts", "channels", "repairability")
+                if isinstance(report.get(name), dict) and not report[name].get("skipped")}
+    assert computed == {"readouts", "channels", "repairability"}
+    assert report["repairability"]["transition"]["cells"]
+    titles = [t for t, _ in _images((reports["analyze"] / "report.html").read_text())]
+    assert titles == ["Readouts", "Channel axes per layer", "Relative repairability per layer",
+                      "Label-free transition scan"]
+    for _, b64 in _images((reports["analyze"] / "report.html").read_text()):
+        png = base64.b64decode(b64)
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000  # a drawn figure
+
+
+def test_channel_axes_scatter_from_per_channel_axes():
+    """A channel section that keeps only the two axes per channel (``axes``) gets the
+    I_X vs I(T;Y) scatter, like the channels verb's full scores."""
+    pytest.importorskip("matplotlib")
+    from onnxdiag.report.html import render_html
+
+    layer = {"layer": "conv", "input_capture_vs_task_info": 0.5, "noise_floor": {"floor": 0.1},
+             "axes": {"input_capture": [0.1, 0.5, 0.9], "task_info": [0.2, 0.1, 0.4]}}
+    page = render_html({"metadata": {"command": "analyze"}, "channels": {"layers": [layer]}})
+    assert [t for t, _ in _images(page)] == ["Channel axes: I_X vs I(T;Y)"]
+    del layer["axes"]
+    page = render_html({"metadata": {"command": "analyze"}, "channels": {"layers": [layer]}})
+    assert [t for t, _ in _images(page)] == ["Channel axes per layer"]
 
 
 def test_without_matplotlib_the_cli_says_how_to_get_html(tmp_path, monkeypatch):

@@ -13,6 +13,8 @@ passes what is left to its verb's own options record::
     @head_options                  # --head, --features
     @output_options                # --out, --overwrite, --format
     def verb(model, **kw):
+        from ..commands.verb import VerbOptions, verb_report   # lazily: a fast --help
+
         rec = take_records(kw, roles=("", "eval-"))
         emit_result(verb_report(model, **rec.library(), options=VerbOptions(**kw)), rec.fmt)
 
@@ -30,11 +32,13 @@ from ..commands.base import DataRequest, HeadChoice, ReportTarget, Runtime
 from ..errors import OnnxDiagError
 
 #: role prefix -> (Python keyword of the data request, human name)
-ROLES = {"": ("data", "calibration / probe data"), "eval-": ("eval_data", "labelled evaluation data"),
+ROLES = {"": ("data", "calibration / probe data"),
+         "eval-": ("eval_data", "labelled evaluation data"),
          "train-": ("train_data", "labelled training data")}
 
 
-def _stack(f, opts):
+def stack_options(f, opts):
+    """Apply click options ``opts`` to ``f`` so that ``--help`` lists them in this order."""
     for opt in reversed(opts):
         f = opt(f)
     return f
@@ -45,7 +49,7 @@ def data_options(role: str = "", *, required: bool = False, help: str | None = N
     key = role.replace("-", "_")
 
     def decorate(f):
-        return _stack(f, [
+        return stack_options(f, [
             click.option(f"--{role}data", f"{key}data", required=required,
                          help=help or f"{ROLES[role][1].capitalize()}: .npy/.npz, an image "
                                       "folder, or a loader script file.py[:function]."),
@@ -58,7 +62,7 @@ def data_options(role: str = "", *, required: bool = False, help: str | None = N
 
 def sampling_options(f):
     """--limit (calibration data only), --seed, --batch-size."""
-    return _stack(f, [
+    return stack_options(f, [
         click.option("--limit", type=click.IntRange(min=1), default=None,
                      help="Use at most this many --data samples (a seeded random subset)."),
         click.option("--seed", type=int, default=0, show_default=True,
@@ -89,13 +93,13 @@ def runtime_options(*, fan_out: bool = False, executor_default: str | None = Non
                 click.option("--jobs", type=click.IntRange(min=1), default=None,
                              help="Worker processes (local) or CPUs (local Ray instance)."),
             ]
-        return _stack(f, opts)
+        return stack_options(f, opts)
     return decorate
 
 
 def head_options(f):
     """--head / --features, when the head cannot be found automatically."""
-    return _stack(f, [
+    return stack_options(f, [
         click.option("--head", default=None, metavar="NODE",
                      help="Name of the head node (the last linear layer)."),
         click.option("--features", default=None, metavar="TENSOR",
@@ -105,7 +109,7 @@ def head_options(f):
 
 def output_options(f):
     """--out, --overwrite, --format."""
-    return _stack(f, [
+    return stack_options(f, [
         click.option("--out", "out", default=None,
                      help="Report folder (default: ./onnxdiag-report/<command>)."),
         click.option("--overwrite", is_flag=True, help="Replace an existing report folder."),
@@ -132,20 +136,23 @@ class Records:
         return {**self.data, "head": self.head, "runtime": self.runtime, "report": self.report}
 
 
-def take_records(kwargs: dict, *, roles=("",)) -> Records:
+def take_records(kwargs: dict, *, roles=("",), sourceless: bool = False) -> Records:
     """Remove the shared options from ``kwargs`` (what is left is the verb's own) and
     return them as records. ``--limit`` applies to the calibration role "" only; ``--seed``
     and ``--batch-size`` to every role, and ``seed`` stays in ``kwargs`` for the verb's own
-    random choices."""
+    random choices. A role given no data is None, unless ``sourceless``: then it is a
+    request without a source that still carries these settings, for a verb with default
+    data (``analyze`` on the bundled sample)."""
     seed = kwargs.get("seed", 0)
     limit, batch_size = kwargs.pop("limit", None), kwargs.pop("batch_size", 64)
     data = {}
     for role in roles:
         key = role.replace("-", "_")
         source, labels = kwargs.pop(f"{key}data", None), kwargs.pop(f"{key}labels", None)
-        data[ROLES[role][0]] = DataRequest.of(source, labels=labels,
-                                              limit=limit if role == "" else None,
-                                              seed=seed, batch_size=batch_size)
+        fields = dict(labels=labels, limit=limit if role == "" else None, seed=seed,
+                      batch_size=batch_size)
+        data[ROLES[role][0]] = (DataRequest(source, **fields) if sourceless
+                                else DataRequest.of(source, **fields))
     head = HeadChoice(kwargs.pop("head", None), kwargs.pop("features", None))
     runtime = Runtime(providers=kwargs.pop("providers", None),
                       executor=kwargs.pop("executor", None), jobs=kwargs.pop("jobs", None))
@@ -194,7 +201,7 @@ def executor_option(f):
 
 def readout_options(f):
     """--targets / --norm / --include-bias of the readout verbs."""
-    return _stack(f, [
+    return stack_options(f, [
         click.option("--targets", type=click.Choice(["auto", "labels", "pseudo", "expected"]),
                      default="auto", show_default=True,
                      help="Head-gradient targets: labels, pseudo (argmax) or expected "

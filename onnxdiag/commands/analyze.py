@@ -1,126 +1,187 @@
 """The ``analyze``, ``inspect`` and ``readouts`` verbs: structure, readouts,
-evaluation of one model."""
+evaluation of one model (``analyze`` adds the channel axes and repairability)."""
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 from ..errors import OnnxDiagError
-from ..report import (
-    SCHEMA_VERSION,
-    build_metadata,
-    rows_to_csv,
-    to_jsonable,
-)
+from ..report import SCHEMA_VERSION, build_metadata, rows_to_csv, to_jsonable
 from ..report.sections import render_readouts, render_structure
-from .base import CommandResult, check_out, finish_old, open_source, render_header, resolve_model
+from .base import (
+    CommandResult,
+    DataRequest,
+    HeadChoice,
+    ReportTarget,
+    Runtime,
+    describe_sources,
+    finish,
+    render_header,
+    resolve_model,
+)
 
 
-def inspect_model(model=None, *, head=None, features=None):
-    """Structure of a model and its text rendering (``onnxdiag inspect``)."""
+@dataclass(frozen=True)
+class ReadoutOptions:
+    """Options of ``analyze`` and ``readouts`` (docs/METHODS.md §A1–A2).
+
+    ``targets``: head-gradient targets, ``labels``, ``pseudo`` (argmax) or ``expected``
+    (label-free); ``auto`` = labels when the probe data has them. ``norm``: the
+    head-gradient normalisation used to select (``raw``, ``feature``, ``head``).
+    ``include_bias``: add the bias gradient to the norm. ``seed``: random choices of the
+    channel statistics (``analyze``).
+    """
+
+    targets: str = "auto"
+    norm: str = "feature"
+    include_bias: bool = False
+    seed: int = 0
+
+
+def inspect_model(model=None, *, head: HeadChoice = HeadChoice()):  # noqa: B008
+    """Structure of a model and its text rendering (``onnxdiag inspect``):
+    ``(Structure, text)``. ``model`` defaults to the bundled sample."""
     from ..graph import analyze_structure
     from ..model.io import load_model
 
     path, _ = resolve_model(model)
-    structure = analyze_structure(load_model(path), head=head, features=features)
+    structure = analyze_structure(load_model(path), head=head.head, features=head.features)
     return structure, render_structure(to_jsonable(structure.to_dict()))
 
 
-def analyze(model=None, *, data=None, labels=None, eval_data=None, eval_labels=None,
-            limit=None, seed=0, batch_size=64, providers=None, head=None, features=None,
-            targets="auto", norm="feature", include_bias=False, out=None, overwrite=False,
-            write=True) -> CommandResult:
-    """The main job (``onnxdiag analyze``): structure, readouts, evaluation of one model.
+def analyze(model=None, *, data=None, eval_data=None,
+            options: ReadoutOptions = ReadoutOptions(),  # noqa: B008 (frozen records)
+            head: HeadChoice = HeadChoice(),  # noqa: B008
+            runtime: Runtime = Runtime(),  # noqa: B008
+            report: ReportTarget = ReportTarget(),  # noqa: B008
+            ) -> CommandResult:
+    """The main job (``onnxdiag analyze``): structure, readouts, evaluation, channel axes
+    and repairability of one model.
 
-    With ``model=None`` the bundled sample is used with its calibration data as the
-    probe batch and its evaluation sample as ``eval_data``.
+    With ``model=None`` the bundled sample is used, with its calibration data as the
+    probe batch and its evaluation sample as ``eval_data``; a request without a source
+    (``DataRequest(None, limit=256)``) keeps its settings for that default data.
+    Without ``data`` only the structure is reported. The report folder is claimed
+    before any work (``report.claim``). Never modifies the model file.
     """
     path, sample = resolve_model(model)
+    data, eval_data = DataRequest.of(data), DataRequest.of(eval_data)
     if sample is not None:
-        data = data if data is not None else sample.calibration
-        eval_data = eval_data if eval_data is not None else sample.evaluation
-    params = dict(data=data, labels=labels, eval_data=eval_data, eval_labels=eval_labels,
-                  limit=limit, seed=seed, batch_size=batch_size, providers=providers,
-                  head=head, features=features, targets=targets, norm=norm,
-                  include_bias=include_bias)
-    return _single_model_report("analyze", path, params, out=out, overwrite=overwrite,
-                                write=write, structure_section=True)
+        data = _with_default(data, sample.calibration)
+        eval_data = _with_default(eval_data, sample.evaluation)
+    roles = {"data": _given(data), "eval_data": _given(eval_data)}
+    return _single_model_report("analyze", path, roles, options, head, runtime, report)
 
 
-def readouts_report(model, *, data, labels=None, eval_data=None, eval_labels=None, limit=None,
-                    seed=0, batch_size=64, providers=None, head=None, features=None,
-                    targets="auto", norm="feature", include_bias=False, out=None,
-                    overwrite=False, write=True) -> CommandResult:
-    """Readouts of one model on a probe batch (``onnxdiag readouts``)."""
-    params = dict(data=data, labels=labels, eval_data=eval_data, eval_labels=eval_labels,
-                  limit=limit, seed=seed, batch_size=batch_size, providers=providers,
-                  head=head, features=features, targets=targets, norm=norm,
-                  include_bias=include_bias)
-    return _single_model_report("readouts", model, params, out=out, overwrite=overwrite,
-                                write=write, structure_section=False)
+def readouts_report(model, *, data, eval_data=None,
+                    options: ReadoutOptions = ReadoutOptions(),  # noqa: B008 (frozen records)
+                    head: HeadChoice = HeadChoice(),  # noqa: B008
+                    runtime: Runtime = Runtime(),  # noqa: B008
+                    report: ReportTarget = ReportTarget(),  # noqa: B008
+                    ) -> CommandResult:
+    """Readouts of one model on a probe batch (``onnxdiag readouts``), with accuracy and
+    loss on ``eval_data`` when given (docs/METHODS.md §A2)."""
+    roles = {"data": DataRequest.of(data), "eval_data": DataRequest.of(eval_data)}
+    if roles["data"] is None:
+        raise OnnxDiagError("readouts need a probe batch: pass --data (data=...) with samples "
+                            "of the model's inputs.")
+    return _single_model_report("readouts", model, roles, options, head, runtime, report)
 
 
-def _single_model_report(command, path, p, *, out, overwrite, write, structure_section):
-    from ..evaluate import make_head_runner
+def _with_default(request, source) -> DataRequest:
+    if request is None:
+        return DataRequest(source)
+    return request if request.source is not None else dataclasses.replace(request,
+                                                                          source=source)
+
+
+def _given(request):
+    return None if request is None or request.source is None else request
+
+
+def run_parameters(options, head: HeadChoice, runtime: Runtime, **roles) -> dict:
+    """``metadata.parameters``: every option (defaults included), each data role's
+    request (``roles``: {keyword: DataRequest or None}), the head choice and providers."""
+    return {**dataclasses.asdict(options),
+            **{role: None if req is None else req.params() for role, req in roles.items()},
+            "head": head.head, "features": head.features, "providers": runtime.providers}
+
+
+def _single_model_report(command, path, roles, options, head, runtime, report):
     from ..graph import analyze_structure
     from ..model.io import get_input_specs, load_model, model_hash
+
+    with report.claim(command) as claim:
+        model = load_model(path)
+        structure = analyze_structure(model, head=head.head, features=head.features)
+        specs = get_input_specs(model)
+        probe, evaluation = (None if req is None else req.open(specs)
+                             for req in (roles["data"], roles["eval_data"]))
+        sections, texts, runner = _sections(command, path, model, structure, probe,
+                                            evaluation, options, runtime)
+        meta = build_metadata(command=command, model_path=path, model_hash=model_hash(model),
+                              parameters=run_parameters(options, head, runtime, **roles),
+                              runner=runner,
+                              data=describe_sources(calibration=probe, evaluation=evaluation))
+        result = {"schema": SCHEMA_VERSION, "metadata": meta, **sections}
+        text = render_header(meta) + "\n".join(texts)
+        table = None
+        if "readouts" in sections:
+            table = rows_to_csv([readout_row(path, to_jsonable(sections["readouts"]))])
+        return finish(command, result, text, claim, report.overwrite, csv=table,
+                      csv_name="readouts.csv")
+
+
+def _sections(command, path, model, structure, probe, evaluation, options, runtime):
+    """({section: dict}, [text], head runner or None) of one model."""
+    from ..evaluate import make_head_runner
     from ..selection.probe import probe_model
 
-    folder = check_out(out, command, overwrite, write)
-    model = load_model(path)
-    structure = analyze_structure(model, head=p["head"], features=p["features"])
-    specs = get_input_specs(model)
-    probe = evaluation = runner = None
-    if p["data"] is not None:
-        probe = open_source(p["data"], specs, labels=p["labels"], limit=p["limit"], seed=p["seed"],
-                      batch_size=p["batch_size"])
-    if p["eval_data"] is not None:
-        evaluation = open_source(p["eval_data"], specs, labels=p["eval_labels"], seed=p["seed"],
-                           batch_size=p["batch_size"])
-    sections, texts = {}, []
-    if structure_section:
+    sections, texts, runner = {}, [], None
+    if command == "analyze":
         sections["structure"] = structure.to_dict()
         texts.append(render_structure(to_jsonable(sections["structure"])))
-    if probe is not None:
-        runner = make_head_runner(model, structure.head, providers=p["providers"])
-        result = probe_model(model, structure, probe, eval_source=evaluation,
-                             targets=p["targets"], norm=p["norm"],
-                             include_bias=p["include_bias"], runner=runner,
-                             label="Probing")
-        sections["readouts"] = result.to_dict()
-        texts.append(render_readouts(to_jsonable(sections["readouts"])))
+    if probe is None:
         if command == "analyze":
-            from .channels import channel_section
-
-            sections["channels"], ch_text = channel_section(
-                model, probe, structure, targets=p["targets"], seed=p["seed"],
-                providers=p["providers"], model_name=str(path), label="Channel statistics")
-            texts.append(ch_text)
-            sections["repairability"], rr_text = _repairability(model, probe, structure, p)
-            texts.append(rr_text)
-    elif command == "analyze":
-        texts.append("== Readouts ==\nskipped: no --data given (readouts need a probe batch).\n")
-    meta = build_metadata(command=command, parameters=p, model_path=path,
-                          model_hash=model_hash(model), runner=runner,
-                          data={"probe": probe.describe() if probe else None,
-                                "eval": evaluation.describe() if evaluation else None})
-    report = {"schema": SCHEMA_VERSION, "metadata": meta, **sections}
-    text = render_header(meta) + "\n".join(texts)
-    table = None
-    if "readouts" in sections:
-        table = rows_to_csv([readout_row(path, to_jsonable(sections["readouts"]))])
-    return finish_old(command, report, text, text, folder, overwrite, csv=table,
-                   csv_name="readouts.csv")
+            texts.append("== Readouts ==\nskipped: no --data given (readouts need a probe "
+                         "batch).\n")
+        return sections, texts, runner
+    runner = make_head_runner(model, structure.head, providers=runtime.providers)
+    result = probe_model(model, structure, probe, eval_source=evaluation,
+                         targets=options.targets, norm=options.norm,
+                         include_bias=options.include_bias, runner=runner,
+                         label="Probing" if runtime.progress else None)
+    sections["readouts"] = result.to_dict()
+    texts.append(render_readouts(to_jsonable(sections["readouts"])))
+    if command == "analyze":
+        _analysis_sections(sections, texts, path, model, structure, probe, options, runtime)
+    return sections, texts, runner
 
 
-def _repairability(model, probe, structure, p) -> tuple[dict, str]:
+def _analysis_sections(sections, texts, path, model, structure, probe, options, runtime):
+    """analyze's channel axes (§B2–B4) and repairability (§C2–C4) on the probe batch."""
+    from .channels import channel_section
+
+    sections["channels"], ch_text = channel_section(
+        model, probe, structure, targets=options.targets, seed=options.seed,
+        providers=runtime.providers, model_name=str(path),
+        label="Channel statistics" if runtime.progress else None)
+    texts.append(ch_text)
+    sections["repairability"], rr_text = _repairability(model, probe, structure,
+                                                        runtime.providers)
+    texts.append(rr_text)
+
+
+def _repairability(model, probe, structure, providers) -> tuple[dict, str]:
     """The RR section of analyze; a model without prunable layers gets a one-line note."""
     from .rr import repairability_section
 
     try:
-        return repairability_section(model, probe, structure=structure,
-                                     providers=p["providers"])
+        return repairability_section(model, probe, structure=structure, providers=providers)
     except OnnxDiagError as exc:
         return ({"skipped": str(exc)},
-                f"== Repairability (SPEC C2) ==\nskipped: {exc}\n")
+                f"== Repairability (docs/METHODS.md §C2) ==\nskipped: {exc}\n")
 
 
 def readout_row(path, result: dict) -> dict:

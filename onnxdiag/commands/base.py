@@ -8,7 +8,9 @@ A verb function (``analyze``, ``prune_channels_report``, …) takes the model, t
   (:meth:`DataRequest.of`). ``request.open(specs)`` opens it for a model's inputs.
 - :class:`HeadChoice` — ``--head`` / ``--features`` when the head cannot be found alone.
 - :class:`Runtime` — execution providers, where units of work run, progress bars.
-- :class:`ReportTarget` — the report folder (``--out``, ``--overwrite``) or none.
+- :class:`ReportTarget` — the report folder (``--out``, ``--overwrite``) or none;
+  ``with report.claim(command) as claim:`` holds it for the run (pass ``claim`` to
+  :func:`finish`).
 
 and returns a :class:`CommandResult`. Verb-specific options come as one record of the
 verb's own module (e.g. :class:`~onnxdiag.commands.prune_channels.ChannelPruneOptions`).
@@ -16,6 +18,7 @@ verb's own module (e.g. :class:`~onnxdiag.commands.prune_channels.ChannelPruneOp
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,19 +118,44 @@ class Runtime:
 @dataclass(frozen=True)
 class ReportTarget:
     """The report folder: ``out`` (default ``onnxdiag-report/<command>``), ``overwrite``
-    an existing one, or ``write=False`` for none."""
+    an existing one, or ``write=False`` for none.
+
+    Without ``out`` a rerun replaces the command's previous default report; an explicit
+    ``out`` that is not empty is refused unless ``overwrite``.
+    """
 
     out: Any = None
     overwrite: bool = False
     write: bool = True
 
-    def folder(self, command: str) -> Path | None:
-        """The folder, checked before any work (raises OutputError); None without write."""
+    def path(self, command: str) -> Path | None:
+        """Where the report goes; None without write."""
         if not self.write:
+            return None
+        return Path(self.out) if self.out else DEFAULT_REPORT_ROOT / command
+
+    def claim(self, command: str):
+        """Claim the folder for this run, before any work, with an exclusive create
+        (:func:`onnxdiag.report.write.claim_report_folder`): a context manager giving
+        the :class:`~onnxdiag.report.write.ReportClaim` to pass to :func:`finish` (None
+        without write). On any exception, Ctrl-C included, the claim is released and a
+        folder it created removed. Raises OutputError when the folder is taken."""
+        path = self.path(command)
+        if path is None:
+            return contextlib.nullcontext()
+        from ..report.write import claim_report_folder
+
+        return claim_report_folder(path, overwrite=self.overwrite,
+                                   replace_report=self.out is None)
+
+    def folder(self, command: str) -> Path | None:
+        """The folder, checked (not claimed) before any work (raises OutputError); None
+        without write. Prefer :meth:`claim`, which also holds it against other runs."""
+        path = self.path(command)
+        if path is None:
             return None
         from ..report.write import check_report_folder
 
-        path = Path(self.out) if self.out else DEFAULT_REPORT_ROOT / command
         return check_report_folder(path, overwrite=self.overwrite)
 
 
@@ -169,7 +197,12 @@ def finish(command: str, report: dict, text: str, folder, overwrite: bool, *,
            summary: str | None = None, csv: str | None = None,
            csv_name: str | None = None, files: dict | None = None) -> CommandResult:
     """Write the report folder (report.json, report.txt, the CSV table, extra ``files``)
-    and return the result (``summary`` defaults to ``text``)."""
+    and return the result (``summary`` defaults to ``text``).
+
+    ``folder``: the :class:`~onnxdiag.report.write.ReportClaim` of
+    :meth:`ReportTarget.claim` (``overwrite`` is then ignored: the claim decided), a
+    path (claimed now), or None for no report folder."""
+    written = None
     if folder is not None:
         from ..report.json import to_json
         from ..report.write import write_report
@@ -178,9 +211,9 @@ def finish(command: str, report: dict, text: str, folder, overwrite: bool, *,
         if csv is not None:
             out[csv_name or f"{command}.csv"] = csv
         out.update(files or {})
-        write_report(folder, out, overwrite=overwrite)
+        written = write_report(folder, out, overwrite=overwrite)
     return CommandResult(report=report, summary=text if summary is None else summary,
-                         text=text, folder=folder, csv=csv)
+                         text=text, folder=written, csv=csv)
 
 
 def render_header(meta: dict) -> str:

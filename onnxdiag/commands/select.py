@@ -2,80 +2,132 @@
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import OnnxDiagError
-from ..report import (
-    SCHEMA_VERSION,
-    build_metadata,
-    rows_to_csv,
+from ..report import SCHEMA_VERSION, build_metadata, rows_to_csv
+from .analyze import readout_row, run_parameters
+from .base import (
+    CommandResult,
+    DataRequest,
+    HeadChoice,
+    ReportTarget,
+    Runtime,
+    finish,
 )
-from .analyze import readout_row
-from .base import CommandResult, check_out, finish_old
 
 #: Readouts shown as columns of the per-checkpoint text table.
 TABLE_READOUTS = ("head_grad", "head_grad_feature", "loss", "confidence", "entropy",
                   "curvature")
 
 
-def select_report(checkpoints, *, data, labels=None, eval_data=None, eval_labels=None,
-                  limit=None, seed=0, batch_size=64, providers=None, head=None, features=None,
-                  targets="auto", norm="feature", include_bias=False, window=5, patience=3,
-                  select_by=None, jobs=None, executor=None, out=None, overwrite=False,
-                  write=True, progress=True) -> CommandResult:
+@dataclass(frozen=True)
+class SelectOptions:
+    """Options of ``select`` (docs/METHODS.md §A3).
+
+    ``targets`` / ``norm`` / ``include_bias``: the readouts' head gradient (as in
+    :class:`~onnxdiag.commands.analyze.ReadoutOptions`). ``window``: select within the
+    last K checkpoints, or ``"all"``. ``patience``: early stopping after this many
+    checkpoints without improvement. ``select_by``: the readout of the headline choice
+    (None: the head gradient of ``norm``). ``seed``: kept for the record (the probe
+    subset's seed is the data request's).
+    """
+
+    targets: str = "auto"
+    norm: str = "feature"
+    include_bias: bool = False
+    window: int | str = 5
+    patience: int = 3
+    select_by: str | None = None
+    seed: int = 0
+
+
+def select_report(checkpoints, *, data, eval_data=None,
+                  options: SelectOptions = SelectOptions(),  # noqa: B008 (frozen records)
+                  head: HeadChoice = HeadChoice(),  # noqa: B008
+                  runtime: Runtime = Runtime(),  # noqa: B008
+                  report: ReportTarget = ReportTarget(),  # noqa: B008
+                  ) -> CommandResult:
     """Score a checkpoint series and pick one without validation data (``onnxdiag select``).
 
-    Every checkpoint sees the same probe batch (fixed indices, saved in the report). A
-    checkpoint that fails is reported and skipped. With ``eval_data`` each readout's
-    choice is compared with the labelled oracle (SPEC A3); when the checkpoints differ in
-    architecture the series is ranked as a zoo ("screening"). ``executor``: ``local``
-    (default, ``jobs`` worker processes), ``ray`` or ``ray=HOST:PORT`` (one Ray task per
-    checkpoint, the probe batch shipped once), or an :class:`~onnxdiag.executor.Executor`.
+    ``checkpoints``: .onnx files in training order, a folder, or a JSON/CSV listing.
+    Every checkpoint sees the same probe batch (fixed indices, saved in the report),
+    read here once and shipped to the workers (``runtime.executor``: local worker
+    processes by default, ``runtime.jobs`` of them; ``ray`` / ``ray=HOST:PORT``; or an
+    :class:`~onnxdiag.runtime.executor.Executor`). A checkpoint that fails is reported and
+    skipped. With ``eval_data`` each readout's choice is compared with the labelled
+    oracle (docs/METHODS.md §A3); checkpoints of different architectures are ranked as a
+    zoo ("screening").
     """
-    from ..runtime.executor import open_executor
-    from ..selection.checkpoints import list_checkpoints, score_checkpoints
+    from ..selection.checkpoints import list_checkpoints
     from ..selection.readouts import HEAD_GRAD_NAMES, get_readout
 
-    folder = check_out(out, "select", overwrite, write)
-    series = list_checkpoints(checkpoints)
-    select_by = select_by or HEAD_GRAD_NAMES[norm]
-    get_readout(select_by)
-    probe_args = dict(source=data, labels=labels, limit=limit, seed=seed, batch_size=batch_size)
-    eval_args = None if eval_data is None else dict(source=eval_data, labels=eval_labels,
-                                                    seed=seed, batch_size=batch_size)
-    options = dict(head=head, features=features, targets=targets, norm=norm,
-                   include_bias=include_bias, providers=providers)
-    with open_executor(executor, jobs) as ex:
-        scored = score_checkpoints(series, probe_args, eval_args, options=options, jobs=jobs,
-                                   progress=progress, executor=ex)
+    data, eval_data = DataRequest.of(data), DataRequest.of(eval_data)
+    if data is None:
+        raise OnnxDiagError("select needs a probe batch: pass --data (data=...) with samples "
+                            "of the model's inputs.")
+    with report.claim("select") as claim:
+        series = list_checkpoints(checkpoints)
+        select_by = options.select_by or HEAD_GRAD_NAMES[options.norm]
+        get_readout(select_by)
+        scored, sources, ran_on = _score_series(series, data, eval_data, options, head,
+                                                runtime)
+        ok = [s for s in scored if s.error is None]
+        section = summarize_series(ok, window=options.window, patience=options.patience,
+                                   select_by=select_by, has_eval=eval_data is not None)
+        section["checkpoints"] = [s.to_dict() for s in scored]
+        section["failed"] = [{"path": s.checkpoint.path, "error": s.error} for s in scored
+                             if s.error is not None]
+        params = {"checkpoints": [str(c) for c in _as_list(checkpoints)],
+                  **run_parameters(dataclasses.replace(options, select_by=select_by), head,
+                                   runtime, data=data, eval_data=eval_data),
+                  "jobs": runtime.jobs, "executor": runtime.executor_name()}
+        meta = build_metadata(command="select", parameters=params, data=sources)
+        meta["executor"] = ran_on
+        result = {"schema": SCHEMA_VERSION, "metadata": meta, "selection": section}
+        text = render_selection(section, ok, select_by)
+        return finish("select", result, text, claim, report.overwrite,
+                      csv=_table(section, ok), csv_name="checkpoints.csv")
+
+
+def _as_list(checkpoints) -> list:
+    return [checkpoints] if isinstance(checkpoints, (str, Path)) else list(checkpoints)
+
+
+def _score_series(series, data, eval_data, options, head, runtime):
+    """(scored checkpoints, {role: data description}, executor description); raises when
+    no checkpoint could be scored (OnnxDiagError, or UnitFailure when a bug stopped them)."""
+    from ..runtime.executor import open_executor, raise_failures
+    from ..selection.checkpoints import ScoringOptions, open_shared_data, score_checkpoints
+
+    shared = open_shared_data(series, data, eval_data)
+    scoring = ScoringOptions(head=head.head, features=head.features, targets=options.targets,
+                             norm=options.norm, include_bias=options.include_bias,
+                             providers=runtime.providers)
+    with open_executor(runtime.executor, runtime.jobs) as ex:
+        shipped = [None if d is None else ex.ship(d.request, d.source) for d in shared]
+        scored = score_checkpoints(series, *shipped, options=scoring, executor=ex,
+                                   progress=runtime.progress)
         ran_on = ex.describe()
-    ok = [s for s in scored if s.error is None]
-    if not ok:
-        raise OnnxDiagError(f"No checkpoint could be scored; the first error was: "
-                            f"{scored[0].error}")
-    params = dict(checkpoints=[str(c) for c in checkpoints], data=data, labels=labels,
-                  eval_data=eval_data, eval_labels=eval_labels, limit=limit, seed=seed,
-                  batch_size=batch_size, providers=providers, head=head, features=features,
-                  targets=targets, norm=norm, include_bias=include_bias, window=window,
-                  patience=patience, select_by=select_by, jobs=jobs, executor=str(executor or
-                                                                                  "local"))
-    section = summarize_series(ok, window=window, patience=patience, select_by=select_by,
-                               has_eval=eval_data is not None)
-    section["checkpoints"] = [s.to_dict() for s in scored]
-    section["failed"] = [{"path": s.checkpoint.path, "error": s.error} for s in scored
-                         if s.error is not None]
-    meta = build_metadata(command="select", parameters=params,
-                          data={"probe": ok[0].result["data"]})
-    meta["executor"] = ran_on
-    report = {"schema": SCHEMA_VERSION, "metadata": meta, "selection": section}
-    text = render_selection(section, ok, select_by)
-    table = rows_to_csv([{"index": s.checkpoint.index, "step": s.checkpoint.step,
-                          "flagged": i in section["flagged"],
-                          "selected": i == section.get("selected"),
-                          **readout_row(s.checkpoint.path, s.result)}
-                         for i, s in enumerate(ok)])
-    return finish_old("select", report, text, text, folder, overwrite, csv=table,
-                   csv_name="checkpoints.csv")
+    if not any(s.error is None for s in scored):
+        raise_failures([s.error for s in scored],
+                       "No checkpoint could be scored; the first error was: {first}")
+    for s in scored:
+        if s.result is not None:  # the same probe batch everywhere, described once
+            s.result["data"] = shared[0].description
+    described = {role: d.description for role, d in zip(("calibration", "evaluation"), shared)
+                 if d is not None}
+    return scored, described, ran_on
+
+
+def _table(section: dict, ok) -> str:
+    return rows_to_csv([{"index": s.checkpoint.index, "step": s.checkpoint.step,
+                         "flagged": i in section["flagged"],
+                         "selected": i == section.get("selected"),
+                         **readout_row(s.checkpoint.path, s.result)}
+                        for i, s in enumerate(ok)])
 
 
 def _series_values(ok, name: str) -> list[float]:

@@ -11,14 +11,17 @@ re-rendered: ``python -m onnxdiag.report.html report.json``.
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 import json
-import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+from .plots import band_span as _band_span
+from .plots import figure as _figure
+from .plots import finite as _finite
+from .plots import plot_channels, plot_readouts, plot_repairability, plot_selection
+from .plots import png as _png
 
 HTML_EXTRA_HINT = "pip install 'onnxdiag[report]' (matplotlib) to also get report.html"
 
@@ -49,184 +52,7 @@ def have_plotting() -> bool:
 
 
 # --------------------------------------------------------------------------- figures
-
-def _figure(ncols: int = 1, nrows: int = 1, *, width: float = 10.0, height: float = 3.6):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height * nrows), dpi=90)
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(nrows, ncols, squeeze=False)
-    return fig, [ax for row in axes for ax in row]
-
-
-def _png(fig) -> str:
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png")
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def _finite(values) -> list[float]:
-    return [float("nan") if v is None else float(v) for v in values]
-
-
-def _grid(n: int, ncols: int = 3):
-    ncols = max(1, min(ncols, n))
-    return ncols, math.ceil(n / ncols)
-
-
-# Each plotter takes the report dict and returns [(title, caption, base64 png)].
-
-def _plot_selection(report: dict) -> list:
-    sel = report.get("selection")
-    if not sel or not sel.get("checkpoints"):
-        return []
-    ok = [c for c in sel["checkpoints"] if c.get("error") is None and c.get("result")]
-    if not ok:
-        return []
-    values = {}
-    for c in ok:
-        for name, v in c["result"]["readouts"]["values"].items():
-            values.setdefault(name, []).append(v)
-    names = [n for n, v in values.items() if n != "n_params" and len(set(map(str, v))) > 1]
-    if not names:
-        return []
-    x = list(range(len(ok)))
-    ev = sel.get("evaluation") or {}
-    ncols, nrows = _grid(len(names))
-    fig, axes = _figure(ncols, nrows, height=2.8)
-    acc = sel.get("accuracy")
-    for ax, name in zip(axes, names):
-        ax.plot(x, _finite(values[name]), "o-", ms=3, color="C0")
-        ax.set_title(name, fontsize=9)
-        ax.set_xlabel("checkpoint", fontsize=8)
-        ax.tick_params(labelsize=7)
-        if acc:
-            ax2 = ax.twinx()
-            ax2.plot(x, [100 * a for a in acc], "-", color="0.6", lw=1)
-            ax2.tick_params(labelsize=7, colors="0.5")
-        pick = ((ev.get("readouts") or {}).get(name) or {}).get("selected")
-        if pick and pick.get("index") is not None:
-            ax.axvline(pick["index"], color="C3", ls="--", lw=1.2, label="selected")
-        elif name == sel.get("select_by") and sel.get("selected") is not None:
-            ax.axvline(sel["selected"], color="C3", ls="--", lw=1.2, label="selected")
-        oracle = (ev.get("oracle_overall") or {}).get("index")
-        if oracle is not None:
-            ax.axvline(oracle, color="C2", ls=":", lw=1.2, label="oracle")
-        for i in sel.get("flagged", []):
-            ax.axvspan(i - 0.4, i + 0.4, color="0.85")
-    for ax in axes[len(names):]:
-        ax.set_visible(False)
-    axes[0].legend(fontsize=7, loc="best")
-    cap = ("Readouts (blue) per checkpoint; grey line: test accuracy (%) when evaluation "
-           "data was given; red dashed: the readout's selected checkpoint; green dotted: "
-           "the oracle; grey band: flagged (degenerate) checkpoints.")
-    out = [("Readouts vs checkpoint", cap, _png(fig))]
-    if sel.get("screening"):
-        out += _plot_screening(sel, ok)
-    return out
-
-
-def _plot_screening(sel: dict, ok: list) -> list:
-    acc = sel.get("accuracy")
-    if not acc:
-        return []
-    fig, axes = _figure(2, 1, height=3.4)
-    n_params = [c.get("n_params") for c in ok]
-    name = sel.get("select_by")
-    vals = [c["result"]["readouts"]["values"].get(name) for c in ok]
-    axes[0].scatter(_finite(vals), [100 * a for a in acc], s=14)
-    axes[0].set_xlabel(name)
-    axes[0].set_ylabel("accuracy %")
-    axes[1].scatter(_finite(n_params), [100 * a for a in acc], s=14, color="C1")
-    axes[1].set_xscale("log")
-    axes[1].set_xlabel("parameters (baseline)")
-    return [("Screening: readout and parameter count vs accuracy", "One point per model.",
-             _png(fig))]
-
-
-def _plot_channels(report: dict) -> list:
-    ch = report.get("channels")
-    if not ch or not ch.get("layers"):
-        return []
-    layers = [L for L in ch["layers"] if (L.get("scores") or {}).get("scores")]
-    if not layers:
-        return []
-    ncols, nrows = _grid(len(layers), 4)
-    fig, axes = _figure(ncols, nrows, height=2.6)
-    for ax, L in zip(axes, layers):
-        s = L["scores"]["scores"]
-        ax.scatter(_finite(s["input_capture"]), _finite(s["task_info"]), s=8, alpha=0.7)
-        floor = (L.get("noise_floor") or {}).get("floor")
-        if floor is not None:
-            ax.axhline(floor, color="C3", lw=0.8, ls="--")
-        rho = L.get("input_capture_vs_task_info")
-        rho_txt = "n/a" if rho is None else f"{rho:+.2f}"
-        ax.set_title(f"{L['layer']}\nρ = {rho_txt}", fontsize=8)
-        ax.set_xlabel("I_X (input capture)", fontsize=7)
-        ax.set_ylabel("I(T;Y)", fontsize=7)
-        ax.tick_params(labelsize=6)
-    for ax in axes[len(layers):]:
-        ax.set_visible(False)
-    cap = ("Per layer, one point per channel: local axis I_X against task information "
-           "I(T;Y); ρ is the Spearman correlation; dashed: the permutation noise floor.")
-    return [("Channel axes: I_X vs I(T;Y)", cap, _png(fig))]
-
-
-def _rr_curves(section) -> tuple[list, list]:
-    """(grid, [(layer, RR values)]) from a ``curves`` dict (layers, grid, rr matrix)."""
-    if not isinstance(section, dict):
-        return [], []
-    grid, layers, rr = section.get("grid"), section.get("layers"), section.get("rr")
-    if not grid or not layers or not rr:
-        return [], []
-    return grid, list(zip(layers, rr))
-
-
-def _band_span(ax, band, color, label):
-    if isinstance(band, dict) and band.get("start") is not None and band.get("end") is not None:
-        ax.axvspan(band["start"], band["end"], color=color, alpha=0.12, label=label)
-
-
-def _plot_repairability(report: dict) -> list:
-    sec = report.get("repairability")
-    if not isinstance(sec, dict):
-        return []
-    grid, curves = _rr_curves(sec.get("curves"))
-    out = []
-    if curves:
-        fig, axes = _figure(1, 1, width=8, height=4.2)
-        ax = axes[0]
-        for name, vals in curves:
-            ax.plot(grid, _finite(vals), lw=1.2, label=name)
-        ax.axhline(1.0, color="0.5", lw=0.8, ls=":")
-        ax.set_xlabel("layer sparsity s")
-        ax.set_ylabel("RR(ℓ, s)")
-        ax.legend(fontsize=6, ncol=2)
-        out.append(("Relative repairability per layer",
-                    "RR(ℓ, s) = (D_repair + ε)/(D_raw + ε) with only layer ℓ pruned (SPEC C2); "
-                    "below 1: CR+BN repairs part of the damage.", _png(fig)))
-    tr = sec.get("transition")
-    if isinstance(tr, dict) and tr.get("cells"):
-        cells = sorted(tr["cells"], key=lambda c: c.get("sparsity", 0))
-        keys = sorted({c.get("repair") for c in cells if c.get("repair")})
-        fig, axes = _figure(1, 1, width=8, height=3.6)
-        ax = axes[0]
-        for rep in keys or [None]:
-            pts = [c for c in cells if c.get("repair") == rep]
-            ax.plot([c["sparsity"] for c in pts], _finite(c.get("agreement") for c in pts),
-                    "o-", ms=3, label=f"agreement ({rep})" if rep else "agreement")
-        _band_span(ax, tr.get("band"), "C1", "agreement band")
-        _band_span(ax, tr.get("cts_band"), "C4", "CTS band")
-        ax.set_xlabel("global sparsity S")
-        ax.set_ylabel("top-1 agreement with dense")
-        ax.legend(fontsize=7)
-        out.append(("Label-free transition scan",
-                    f"Allocation {tr.get('allocation')}; shaded: the predicted band (SPEC C4).",
-                    _png(fig)))
-    return out
-
+# Those of the readouts family and analyze are in .plots; the pruning verbs' are here.
 
 def _plot_sweep(report: dict) -> list:
     sw = report.get("sweep")
@@ -313,8 +139,8 @@ def _plot_prune_sweep(report: dict) -> list:
              "is the dense model. AUC: normalised area under the solid curve.", _png(fig))]
 
 
-PLOTTERS: list[Callable[[dict], list]] = [_plot_selection, _plot_channels,
-                                           _plot_repairability, _plot_sweep, _plot_prune_sweep]
+PLOTTERS: list[Callable[[dict], list]] = [plot_readouts, plot_selection, plot_channels,
+                                           plot_repairability, _plot_sweep, _plot_prune_sweep]
 
 
 # --------------------------------------------------------------------------- page

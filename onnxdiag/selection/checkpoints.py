@@ -1,9 +1,11 @@
-"""Checkpoint series: listing, scoring every checkpoint on one probe batch (SPEC A3).
+"""Checkpoint series: listing, scoring every checkpoint on one probe batch
+(docs/METHODS.md §A3).
 
-Each checkpoint is scored in its own worker process (``jobs``), reading the model
-file itself; the probe and evaluation data are re-opened from the same
-description in every worker, so every checkpoint sees the identical probe batch.
-A checkpoint that fails to load or score is reported and skipped.
+The probe and evaluation data are opened once (:func:`open_shared_data`) and shipped to
+the executor's workers once (``Executor.ship``: the request itself where workers can
+reopen its path, else its samples); each unit of work loads one checkpoint file and
+scores it (:func:`score_checkpoint`), so every checkpoint sees the identical probe
+batch. A checkpoint that fails to load or score is reported and skipped.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import csv
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from ..errors import OnnxDiagError
 
@@ -105,33 +108,84 @@ class ScoredCheckpoint:
                 "architecture": self.architecture, "error": self.error, "result": self.result}
 
 
-def score_checkpoint(checkpoint: Checkpoint, probe_args: dict, eval_args: dict | None,
-                     options: dict) -> ScoredCheckpoint:
-    """Load one checkpoint, find its head, run the probe (worker entry point)."""
-    from ..data.source import open_data
-    from ..errors import OnnxDiagError as _UserError
+@dataclass(frozen=True)
+class ScoringOptions:
+    """How each checkpoint is scored: head choice, readout options, ONNX Runtime providers
+    and intra-op ``threads`` (None: ORT's default)."""
+
+    head: str | None = None
+    features: str | None = None
+    targets: str = "auto"
+    norm: str = "feature"
+    include_bias: bool = False
+    providers: Any = None
+    threads: int | None = None
+
+
+@dataclass(frozen=True)
+class SharedData:
+    """One data role opened once for a series: the ``request`` workers reopen (or its
+    samples in memory), the ``source`` opened here, and its ``description``."""
+
+    request: Any
+    source: Any
+    description: dict
+
+
+def open_shared_data(checkpoints: Sequence[Checkpoint], *requests) -> list[SharedData | None]:
+    """Open each DataRequest (None stays None) for the inputs of the first checkpoint
+    that loads, so that every checkpoint sees the same samples: a stream (a loader
+    script, a reader) is read into memory once.
+
+    Raises:
+        OnnxDiagError: no checkpoint loads, or the data do not fit it.
+    """
+    specs = _first_input_specs(checkpoints)
+    return [None if r is None else _open_shared(r, specs) for r in requests]
+
+
+def _open_shared(request, specs) -> SharedData:
+    source = request.open(specs)
+    if source.random_access:
+        return SharedData(request, source, source.describe())
+    memory = request.in_memory(source)
+    return SharedData(memory, memory.open(specs), source.describe())
+
+
+def _first_input_specs(checkpoints):
+    from ..model.io import get_input_specs, load_model
+
+    first_error = None
+    for c in checkpoints:
+        try:
+            return get_input_specs(load_model(c.path))
+        except OnnxDiagError as exc:
+            first_error = first_error or exc
+    raise OnnxDiagError(f"No checkpoint could be loaded; the first error was: {first_error}")
+
+
+def score_checkpoint(checkpoint: Checkpoint, probe, evaluation,
+                     options: ScoringOptions = ScoringOptions()) -> ScoredCheckpoint:
+    """Load one checkpoint, find its head, run the probe (the worker's unit of work).
+
+    ``probe`` / ``evaluation``: what :meth:`~onnxdiag.runtime.executor.Executor.ship`
+    sent (evaluation may be None). Raises what stops it (the executor reports it).
+    """
     from ..graph import analyze_structure
     from ..model.io import get_input_specs, load_model
+    from ..runtime.executor import receive
     from .probe import probe_model
 
-    try:
-        model = load_model(checkpoint.path)
-        structure = analyze_structure(model, head=options.get("head"),
-                                      features=options.get("features"))
-        specs = get_input_specs(model)
-        probe = open_data(inputs=specs, **probe_args)
-        evaluation = open_data(inputs=specs, **eval_args) if eval_args else None
-        result = probe_model(model, structure, probe, eval_source=evaluation,
-                             targets=options.get("targets", "auto"),
-                             norm=options.get("norm", "feature"),
-                             include_bias=options.get("include_bias", False),
-                             providers=options.get("providers"), threads=options.get("threads"))
-        return ScoredCheckpoint(checkpoint, result.to_dict(), None, structure.n_params,
-                                architecture_signature(structure))
-    except _UserError as exc:
-        return ScoredCheckpoint(checkpoint, None, str(exc))
-    except Exception as exc:  # noqa: BLE001 - one bad checkpoint must not stop the series
-        return ScoredCheckpoint(checkpoint, None, f"{type(exc).__name__}: {exc}")
+    model = load_model(checkpoint.path)
+    structure = analyze_structure(model, head=options.head, features=options.features)
+    specs = get_input_specs(model)
+    result = probe_model(model, structure, receive(probe, specs),
+                         eval_source=None if evaluation is None else receive(evaluation, specs),
+                         targets=options.targets, norm=options.norm,
+                         include_bias=options.include_bias, providers=options.providers,
+                         threads=options.threads)
+    return ScoredCheckpoint(checkpoint, result.to_dict(), None, structure.n_params,
+                            architecture_signature(structure))
 
 
 def architecture_signature(structure) -> str:
@@ -140,71 +194,27 @@ def architecture_signature(structure) -> str:
     return f"{len(parts)}L:" + ",".join(parts)
 
 
-def score_checkpoints(checkpoints: Sequence[Checkpoint], probe_args: dict,
-                      eval_args: dict | None = None, *, options: dict | None = None,
-                      jobs: int | None = None, progress: bool = False,
-                      executor=None) -> list[ScoredCheckpoint]:
-    """Score every checkpoint, one unit of work per checkpoint.
+def score_checkpoints(checkpoints: Sequence[Checkpoint], probe, evaluation=None, *,
+                      options: ScoringOptions = ScoringOptions(), executor,
+                      progress: bool = False) -> list[ScoredCheckpoint]:
+    """Score every checkpoint, one unit of work per checkpoint on ``executor``.
 
-    ``executor``: an :class:`onnxdiag.executor.Executor` (default: local worker processes,
-    ``jobs`` of them). On Ray the probe (and evaluation) samples are read once here and
-    shipped once through the object store; locally each worker reads them from the
-    source. Results come back in series order; failed checkpoints carry ``error``.
+    ``probe`` / ``evaluation``: the shipped data (``executor.ship``), sent once as shared
+    arguments. Results come back in series order; a failed checkpoint carries its
+    :class:`~onnxdiag.runtime.executor.UnitError` as ``error``.
     """
-    from ..runtime.executor import LocalExecutor, wants_gpu
+    from ..runtime.executor import wants_gpu
 
-    options = dict(options or {})
-    executor = executor or LocalExecutor(jobs)
-    descriptions = None
-    if not executor.reads_paths:
-        probe_args, eval_args, descriptions = _materialize(checkpoints, probe_args, eval_args)
-    n_local = max(1, min(jobs or os.cpu_count() or 1, len(checkpoints)))
-    if not executor.reads_paths or n_local > 1:
+    if not executor.in_process and min(executor.capacity, len(checkpoints)) > 1:
         # Cores go to processes, not to ORT's intra-op threads (benchmarks/RESULTS.md).
-        options.setdefault("threads", 1)
+        options = replace(options, threads=options.threads or 1)
     results: dict[int, ScoredCheckpoint] = {}
-    for i, scored, error in executor.map(_score_unit, checkpoints,
-                                         (probe_args, eval_args, options),
+    for i, scored, error in executor.map(_score_unit, checkpoints, (probe, evaluation, options),
                                          label="Scoring checkpoints" if progress else None,
-                                         gpu=wants_gpu(options.get("providers"))):
-        if scored is None:  # the unit itself died (worker crash); keep the message
-            scored = ScoredCheckpoint(checkpoints[i], None, error)
-        results[i] = scored
-    out = [results[i] for i in range(len(checkpoints))]
-    if descriptions is not None:
-        for s in out:
-            if s.result is not None:
-                s.result["data"] = descriptions[0]
-    return out
+                                         gpu=wants_gpu(options.providers)):
+        results[i] = scored if error is None else ScoredCheckpoint(checkpoints[i], None, error)
+    return [results[i] for i in range(len(checkpoints))]
 
 
-def _score_unit(checkpoint, probe_args, eval_args, options):
-    return score_checkpoint(checkpoint, probe_args, eval_args, options)
-
-
-def _materialize(checkpoints, probe_args: dict, eval_args: dict | None):
-    """Read the probe (and evaluation) samples once, as arrays for the object store."""
-    from ..data.source import open_data
-    from ..model.io import get_input_specs, load_model
-
-    specs, first_error = None, None
-    for c in checkpoints:
-        try:
-            specs = get_input_specs(load_model(c.path))
-            break
-        except OnnxDiagError as exc:
-            first_error = first_error or exc
-    if specs is None:
-        raise OnnxDiagError(f"No checkpoint could be loaded; the first error was: {first_error}")
-
-    def read(args):
-        source = open_data(inputs=specs, **args)
-        arrays, labels = source.to_arrays()
-        if labels is not None:
-            arrays["labels"] = labels
-        shipped = dict(source=arrays, batch_size=source.batch_size)
-        return shipped, source.describe()
-
-    probe, probe_desc = read(probe_args)
-    evaluation, eval_desc = read(eval_args) if eval_args else (None, None)
-    return probe, evaluation, (probe_desc, eval_desc)
+def _score_unit(checkpoint, probe, evaluation, options):
+    return score_checkpoint(checkpoint, probe, evaluation, options)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import DataError
-from ..evaluate import Evaluation, evaluate_model, head_arrays, make_head_runner
+from ..evaluate import Evaluation, evaluate, head_arrays, make_head_runner
 from ..runtime.runner import OrtRunner, single_threaded_blas
 from .readouts import ReadoutAccumulator, Readouts, verify_head
 
@@ -64,9 +64,7 @@ def probe_model(model, structure, probe, *, eval_source=None, targets: str = "au
             if rel_error is None:
                 rel_error = verify_head(Z, U, head.weight, head.bias, node_name=head.node_name)
             acc.update(Z, U, batch.labels if targets == "labels" or probe.has_labels else None)
-        evaluation = None
-        if eval_source is not None:
-            evaluation = evaluate_model(runner, head, eval_source)
+        evaluation = evaluate(runner, head, eval_source)
     return ProbeResult(readouts=acc.result(), head_node=head.node_name,
                        head_rel_error=float(rel_error or 0.0), evaluation=evaluation,
                        data=probe.describe())
