@@ -402,3 +402,12 @@ def test_batch_range_reads_the_same_batches_by_position():
     assert not streamed.random_access
     with pytest.raises(DataError, match="cannot be read by batch position"):
         list(streamed.batch_range(0, 1))
+
+
+def test_bundled_sample_is_found_from_any_working_folder(tmp_path, monkeypatch):
+    """get_sample() finds models/sample beside the package, not only in the working folder."""
+    from onnxdiag.data.sample import get_sample
+
+    monkeypatch.chdir(tmp_path)
+    sample = get_sample()
+    assert sample.model.is_file() and sample.model.parent.name == "sample"

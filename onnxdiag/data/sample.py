@@ -25,7 +25,7 @@ def get_sample() -> Sample:
     Raises:
         OnnxDiagError: the sample is not present (e.g. a wheel install without the repo).
     """
-    candidates = [Path(__file__).resolve().parent.parent / "models" / "sample",
+    candidates = [Path(__file__).resolve().parents[2] / "models" / "sample",
                   Path.cwd() / "models" / "sample"]
     for folder in candidates:
         if (folder / "model.onnx").is_file():
