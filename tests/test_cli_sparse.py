@@ -10,6 +10,7 @@ import onnx
 import pytest
 from cli_helpers import assert_user_error, run
 from corpus import residual_block
+from exports import digits_mlp
 
 from onnxdiag.cli import sparse as cli_sparse
 from onnxdiag.data.sample import get_sample
@@ -17,8 +18,6 @@ from onnxdiag.model.io import file_hash
 from onnxdiag.sparsity import METHODS, RULES
 
 SAMPLE = get_sample()
-
-
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +65,7 @@ def test_prune_bundled_sample(tmp_path):
     info = report["prune"]
     assert info["layer_sparsity"]["/stem/stem.0/Conv"] == 0.0
     assert info["sparsity_achieved"] == pytest.approx(0.5, abs=1e-4)
-    assert info["accuracy_dense"]["n_samples"] == 2000
+    assert info["accuracy"]["source"]["n_samples"] == 2000
     onnx.checker.check_model(onnx.load(out), full_check=True)
     assert (tmp_path / "pruned.onnx.json").exists() and (tmp_path / "rep" / "report.txt").exists()
 
@@ -149,7 +148,7 @@ def test_rr_positions_option(corpus_files, tmp_path, value, expected):
     assert result.exit_code == 0, result.output
     report = json.loads((out / "report.json").read_text())
     params = report["metadata"]["parameters"]
-    assert params["rr_positions"] == (value if expected is None else expected)
+    assert params["pruner"]["rr_positions"] == (value if expected is None else expected)
     assert params["defaults"]["rr_positions"] == 16
     curves = report["repairability"]["curves"]
     assert curves["positions"] == expected
@@ -162,3 +161,65 @@ def test_rr_positions_rejects_non_positive(corpus_files, tmp_path):
                  "--rr-positions", "0", "--out", tmp_path / "rep")
     assert result.exit_code == 2 and "positive integer or 'all'" in result.output
     assert not (tmp_path / "rep").exists()
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory):
+    return digits_mlp(tmp_path_factory.mktemp("cli_mlp"))
+
+
+def test_prune_of_an_skl2onnx_mlp_is_refused_in_one_line(mlp, tmp_path):
+    model, data = mlp
+    out = tmp_path / "p.onnx"
+    result = run("prune", model, "--sparsity", 0.5, "--data", data, "-o", out,
+                 "--out", tmp_path / "rep")
+    assert_user_error(result, "only the head 'MatMul1' (160 weights) can be pruned", out,
+                      tmp_path / "p.onnx.json", tmp_path / "rep")
+    assert "linear layers other than the head are not prunable yet" in result.stderr
+    assert "%" not in result.stderr
+
+
+def test_prune_sparsity_zero_is_a_reported_no_op(mlp, tmp_path):
+    model, data = mlp
+    out = tmp_path / "p.onnx"
+    result = run("prune", model, "--sparsity", 0, "--data", data, "-o", out,
+                 "--out", tmp_path / "rep", "--format", "json")
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.stdout)["prune"]
+    assert info["no_op"] == "sparsity 0 removes no weight" and info["n_pruned"] == 0
+    assert "no-op" in info["notes"][0]
+    assert "Pruning nothing: sparsity 0 removes no weight" in result.stderr
+    text = (tmp_path / "rep" / "report.txt").read_text()
+    assert "NO-OP: sparsity 0 removes no weight; the emitted model is the source model" in text
+    assert json.loads((tmp_path / "p.onnx.json").read_text())["no_op"] == info["no_op"]
+
+
+def test_cli_sparse_imports_neither_numpy_nor_onnx():
+    """cli/sparse.py (with the option groups) imports and prints every --help with numpy,
+    onnx and onnxruntime blocked; the verb modules load only when a command runs."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, types, click
+from pathlib import Path
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('numpy', 'onnx', 'onnxruntime'):
+            raise ImportError('blocked ' + name)
+sys.meta_path.insert(0, Block())
+import onnxdiag
+pkg = types.ModuleType('onnxdiag.cli')
+pkg.__path__ = [str(Path(onnxdiag.__file__).parent / 'cli')]
+pkg.cli = click.Group('cli')
+sys.modules['onnxdiag.cli'] = pkg
+from click.testing import CliRunner
+import onnxdiag.cli.sparse
+for name in sorted(pkg.cli.commands):
+    res = CliRunner().invoke(pkg.cli, [name, '--help'])
+    assert res.exit_code == 0 and 'Usage:' in res.output, res.output
+print(sorted(pkg.cli.commands))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["['prune',", "'rr',", "'sweep']"]

@@ -3,13 +3,20 @@
 import numpy as np
 import pytest
 
-from onnxdiag.commands.sweep import sweep_report
+from onnxdiag.commands.base import DataRequest, ReportTarget, Runtime
+from onnxdiag.commands.sweep import SweepOptions, sweep_report
 from onnxdiag.data.sample import get_sample
 
 SAMPLE = get_sample()
-ARGS = dict(sparsity="0.5,0.7,0.9999", allocations="erk,lamp", repairs="cr+bn",
-            data=str(SAMPLE.calibration), eval_data=str(SAMPLE.evaluation), limit=96,
-            write=False, progress=False)
+ARGS = dict(options=SweepOptions(sparsity="0.5,0.7,0.9999", allocations="erk,lamp",
+                                 repairs="cr+bn"),
+            data=DataRequest(str(SAMPLE.calibration), limit=96),
+            eval_data=str(SAMPLE.evaluation), report=ReportTarget(write=False))
+
+
+def _sweep(executor=None, jobs=None):
+    return sweep_report(str(SAMPLE.model), runtime=Runtime(executor=executor, jobs=jobs,
+                                                           progress=False), **ARGS)
 
 
 def _cells(result):
@@ -19,7 +26,7 @@ def _cells(result):
 
 @pytest.fixture(scope="module")
 def in_process():
-    return _cells(sweep_report(str(SAMPLE.model), **ARGS))
+    return _cells(_sweep())
 
 
 def _assert_same(a, b):
@@ -38,7 +45,7 @@ def test_a_rule_that_cannot_meet_s_is_an_error_cell_not_a_failure(in_process):
 
 
 def test_local_processes_equal_in_process(in_process):
-    res = sweep_report(str(SAMPLE.model), executor="local", jobs=2, **ARGS)
+    res = _sweep("local", 2)
     assert res.report["metadata"]["executor"] == {"kind": "local", "jobs": 2}
     _assert_same(in_process, _cells(res))
 
@@ -51,7 +58,7 @@ def test_ray_equals_in_process(in_process):
     if started:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        res = sweep_report(str(SAMPLE.model), executor=RayExecutor(), **ARGS)
+        res = _sweep(RayExecutor())
     finally:
         if started:
             ray.shutdown()
@@ -98,3 +105,43 @@ def test_rr_curves_on_ray_equal_in_process():
     # float32 Gram products per batch: BLAS thread counts differ between Ray workers and
     # this process, so sums may round differently (measured: 2e-8).
     np.testing.assert_allclose(b.rr, a.rr, rtol=0, atol=1e-6)
+
+
+class _Failing:
+    """An executor whose unit ``fail`` fails (a bug, or with ``user`` a user error)."""
+
+    def __new__(cls, fail, user=False):
+        from onnxdiag.runtime.executor import Executor, UnitError
+
+        class Failing(Executor):
+            name = "failing"
+
+            def map(self, fn, items, shared=(), *, label=None, gpu=False):
+                for i, item in enumerate(items):
+                    if i == fail:
+                        yield i, None, UnitError("boom", type_name="ValueError",
+                                                 user_error=user)
+                    else:
+                        yield i, fn(item, *shared), None
+
+        return Failing()
+
+
+def test_a_failed_sweep_unit_is_a_failed_cell_and_the_others_are_kept(in_process):
+    res = _sweep(_Failing(2))
+    cells, sec = _cells(res), res.report["sweep"]
+    assert cells[2][6] == "boom" and sec["cells"][2]["failed"] is True
+    assert sec["failed"] == [{"sparsity": 0.7, "allocation": "erk", "repair": "cr+bn",
+                              "error": "boom"}]
+    kept = [i for i in range(6) if i != 2]
+    _assert_same(in_process, [cells[i] if i in kept else in_process[2] for i in range(6)])
+    assert "FAILED cell S=0.7 erk cr+bn: boom" in res.text
+
+
+@pytest.mark.parametrize("user", [False, True])
+def test_rr_curves_stop_on_a_failed_layer_unit(user):
+    from onnxdiag.errors import OnnxDiagError
+    from onnxdiag.runtime.executor import UnitFailure
+
+    with pytest.raises(OnnxDiagError if user else UnitFailure, match="RR curves of layer .*: boom"):
+        _rr(_Failing(1, user))

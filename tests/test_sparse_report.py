@@ -9,10 +9,13 @@ import numpy as np
 import onnx
 import pytest
 from corpus import conv_bn_folded, residual_block, run_ort
+from exports import digits_mlp
 
-from onnxdiag.commands.prune import prune_report_sparse
-from onnxdiag.commands.rr import repairability_section, rr_report
-from onnxdiag.commands.sweep import sweep_report
+from onnxdiag.commands.base import ReportTarget, Runtime
+from onnxdiag.commands.prune import PruneOptions, prune_report_sparse
+from onnxdiag.commands.pruning import PrunerOptions
+from onnxdiag.commands.rr import RROptions, repairability_section, rr_report
+from onnxdiag.commands.sweep import SweepOptions, sweep_report
 from onnxdiag.errors import OnnxDiagError
 from onnxdiag.graph import analyze_structure
 from onnxdiag.model.io import file_hash, load_model, model_hash
@@ -34,6 +37,8 @@ from onnxdiag.sparsity.sweep import (
     transition_summary,
     winners,
 )
+
+QUIET = dict(report=ReportTarget(write=False), runtime=Runtime(progress=False))
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +113,10 @@ def test_transition_summary_cts_only_with_both_repairs():
 # -- rr ---------------------------------------------------------------------------------------
 def test_rr_report_curves_table_csv_and_band(files, tmp_path):
     out = tmp_path / "rr"
-    res = rr_report(str(files["res"]), data=str(files["calib"]), band_sparsity="0.3,0.6,0.9",
-                    rr_images=16, out=out, progress=False)
+    res = rr_report(str(files["res"]), data=str(files["calib"]),
+                    options=RROptions(band_sparsity="0.3,0.6,0.9",
+                                      pruner=PrunerOptions(rr_images=16)),
+                    report=ReportTarget(out), runtime=Runtime(progress=False))
     sec = res.report["repairability"]
     model = load_model(files["res"])
     names = [la.node_name for la in find_prunable(analyze_structure(model))]
@@ -117,7 +124,8 @@ def test_rr_report_curves_table_csv_and_band(files, tmp_path):
     rr = np.array(sec["curves"]["rr"])
     assert rr.shape == (len(names), 28) and np.allclose(rr[:, 0], 1.0)  # RR(l, 0) = 1
     assert np.allclose(np.array(sec["curves"]["d_raw"])[:, 0], 0.0)
-    assert sec["curves"]["positions"] == 16 == res.report["metadata"]["parameters"]["rr_positions"]
+    params = res.report["metadata"]["parameters"]
+    assert sec["curves"]["positions"] == 16 == params["pruner"]["rr_positions"]
     csv_lines = (out / "rr_curves.csv").read_text().strip().splitlines()
     assert csv_lines[0] == "layer,sparsity,d_raw,d_repair,rr" and len(csv_lines) == 1 + rr.size
     tr = sec["transition"]
@@ -128,36 +136,38 @@ def test_rr_report_curves_table_csv_and_band(files, tmp_path):
 
 def test_rr_report_validates_before_work(files, tmp_path):
     with pytest.raises(OnnxDiagError, match="keep_dense|--keep-dense"):
-        rr_report(str(files["res"]), data=str(files["calib"]), keep_dense=["nope"],
-                  write=False, progress=False)
+        rr_report(str(files["res"]), data=str(files["calib"]),
+                  options=RROptions(pruner=PrunerOptions(keep_dense=("nope",))), **QUIET)
     with pytest.raises(OnnxDiagError, match="outside"):
-        rr_report(str(files["res"]), data=str(files["calib"]), band_sparsity="2",
-                  write=False, progress=False)
+        rr_report(str(files["res"]), data=str(files["calib"]),
+                  options=RROptions(band_sparsity="2"), **QUIET)
     with pytest.raises(OnnxDiagError, match="positive integer or 'all'"):
-        rr_report(str(files["res"]), data=str(files["calib"]), rr_positions=-2,
-                  band_sparsity="none", write=False, progress=False)
+        rr_report(str(files["res"]), data=str(files["calib"]),
+                  options=RROptions(band_sparsity="none",
+                                    pruner=PrunerOptions(rr_positions=-2)), **QUIET)
 
 
 # -- prune ------------------------------------------------------------------------------------
 def test_prune_emits_a_checked_reloadable_model_with_sidecar(files, tmp_path):
     before = file_hash(files["res"])
     out = tmp_path / "pruned.onnx"
-    res = prune_report_sparse(str(files["res"]), output=out, sparsity=0.8, allocation="rr",
-                              repair="cr+bn", data=str(files["calib"]),
-                              eval_data=str(files["eval"]), keep_dense=["head"], rr_images=16,
-                              write=False, progress=False)
+    res = prune_report_sparse(
+        str(files["res"]), output=out, data=str(files["calib"]), eval_data=str(files["eval"]),
+        options=PruneOptions(sparsity=0.8, allocation="rr", repair="cr+bn",
+                             pruner=PrunerOptions(keep_dense=("head",), rr_images=16)),
+        **QUIET)
     assert file_hash(files["res"]) == before  # the input is never modified
     emitted = onnx.load(out)
     onnx.checker.check_model(emitted, full_check=True)
     side = json.loads((out.parent / "pruned.onnx.json").read_text())
-    assert side["dense_model_sha256"] == model_hash(load_model(files["res"]))
+    assert side["source"]["sha256"] == model_hash(load_model(files["res"]))
     assert side["emitted"]["sha256"] == model_hash(emitted)
     assert side["n_pruned"] == int(0.8 * side["n_weights"])
     assert side["layer_sparsity"]["head"] == 0.0 and side["keep_dense"] == ["head"]
     assert side["repair"]["method"] == "cr+bn" and side["repair"]["bns"]
     assert side["allocation"]["prior"]["rule"] == "erk"
-    assert 0 <= side["agreement_with_dense"]["top1_agreement"] <= 1
-    assert side["accuracy_pruned"]["n_samples"] == 40 and side["latency_cpu"]["pruned_ms"]["1"] > 0
+    assert 0 <= side["agreement"]["top1_agreement"] <= 1
+    assert side["accuracy"]["emitted"]["n_samples"] == 40 and side["latency_ms"]["emitted"]["1"] > 0
     # the file's weights are zero exactly where the allocation says, per layer
     init = {t.name: onnx.numpy_helper.to_array(t) for t in emitted.graph.initializer}
     w = init[[n for n in emitted.graph.node if n.name == "c4"][0].input[1]]
@@ -165,27 +175,29 @@ def test_prune_emits_a_checked_reloadable_model_with_sidecar(files, tmp_path):
     # the sidecar's agreement is the file's, recomputed with a plain ORT session
     agr = np.mean(_logits(emitted, files["calib"]).argmax(1) ==
                   _logits(load_model(files["res"]), files["calib"]).argmax(1))
-    assert side["agreement_with_dense"]["top1_agreement"] == pytest.approx(agr)
+    assert side["agreement"]["top1_agreement"] == pytest.approx(agr)
     assert "agreement with the dense model" in res.text
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_sparsity_zero_with_any_repair_emits_the_dense_outputs(files, tmp_path, method):
     out = tmp_path / f"{method}.onnx"
-    prune_report_sparse(str(files["res"]), output=out, sparsity=0.0, allocation="erk",
-                        repair=method, data=str(files["calib"]), write=False, progress=False)
+    prune_report_sparse(str(files["res"]), output=out, data=str(files["calib"]),
+                        options=PruneOptions(sparsity=0.0, allocation="erk", repair=method),
+                        **QUIET)
     dense = _logits(load_model(files["res"]), files["calib"])
     np.testing.assert_allclose(_logits(onnx.load(out), files["calib"]), dense, atol=1e-5)
     assert json.loads((tmp_path / f"{method}.onnx.json").read_text())[
-        "agreement_with_dense"]["top1_agreement"] == 1.0
+        "agreement"]["top1_agreement"] == 1.0
 
 
 def test_sparse_initializers_are_smaller_and_equal(files, tmp_path):
-    common = dict(sparsity=0.9, allocation="uniform", repair="cr+bn", data=str(files["calib"]),
-                  write=False, progress=False)
-    prune_report_sparse(str(files["folded"]), output=tmp_path / "d.onnx", **common)
+    common = dict(sparsity=0.9, allocation="uniform", repair="cr+bn")
+    prune_report_sparse(str(files["folded"]), output=tmp_path / "d.onnx",
+                        data=str(files["calib"]), options=PruneOptions(**common), **QUIET)
     prune_report_sparse(str(files["folded"]), output=tmp_path / "s.onnx",
-                        sparse_initializers=True, **common)
+                        data=str(files["calib"]),
+                        options=PruneOptions(sparse_initializers=True, **common), **QUIET)
     dense, sparse = onnx.load(tmp_path / "d.onnx"), onnx.load(tmp_path / "s.onnx")
     assert len(sparse.graph.sparse_initializer) >= 1 and not dense.graph.sparse_initializer
     assert (tmp_path / "s.onnx").stat().st_size < (tmp_path / "d.onnx").stat().st_size
@@ -202,26 +214,29 @@ def test_sparse_initializers_are_smaller_and_equal(files, tmp_path):
 
 def test_prune_refuses_bad_outputs_before_any_work(files, tmp_path):
     with pytest.raises(OnnxDiagError, match="never overwrites an input"):
-        prune_report_sparse(str(files["res"]), output=files["res"], sparsity=0.5,
-                            data=str(files["calib"]), write=False, progress=False)
+        prune_report_sparse(str(files["res"]), output=files["res"], data=str(files["calib"]),
+                            options=PruneOptions(sparsity=0.5), **QUIET)
     existing = tmp_path / "x.onnx"
     existing.write_bytes(b"keep")
     with pytest.raises(OnnxDiagError, match="already exists.*--overwrite"):
-        prune_report_sparse(str(files["res"]), output=existing, sparsity=0.5,
-                            data=str(files["calib"]), write=False, progress=False)
+        prune_report_sparse(str(files["res"]), output=existing, data=str(files["calib"]),
+                            options=PruneOptions(sparsity=0.5), **QUIET)
     assert existing.read_bytes() == b"keep"
     with pytest.raises(OnnxDiagError, match="Unknown allocation"):
-        prune_report_sparse(str(files["res"]), output=tmp_path / "y.onnx", sparsity=0.5,
-                            allocation="magic", data=str(files["calib"]), write=False)
+        prune_report_sparse(str(files["res"]), output=tmp_path / "y.onnx",
+                            data=str(files["calib"]),
+                            options=PruneOptions(sparsity=0.5, allocation="magic"),
+                            report=ReportTarget(write=False))
     assert not (tmp_path / "y.onnx").exists()
 
 
 # -- sweep ------------------------------------------------------------------------------------
 def test_sweep_cells_agree_with_an_independent_prune_and_run(files, tmp_path):
-    res = sweep_report(str(files["res"]), sparsity="0,0.5,0.85", allocations="erk,lamp,rr",
-                       repairs="cr+bn,bn,none", data=str(files["calib"]),
-                       eval_data=str(files["eval"]), rr_images=16, out=tmp_path / "sw",
-                       progress=False)
+    res = sweep_report(str(files["res"]), data=str(files["calib"]), eval_data=str(files["eval"]),
+                       options=SweepOptions(sparsity="0,0.5,0.85", allocations="erk,lamp,rr",
+                                            repairs="cr+bn,bn,none",
+                                            pruner=PrunerOptions(rr_images=16)),
+                       report=ReportTarget(tmp_path / "sw"), runtime=Runtime(progress=False))
     sec = res.report["sweep"]
     assert len(sec["cells"]) == 3 * 3 * 3 and sec["metric"] == "accuracy"
     at0 = [c for c in sec["cells"] if c["sparsity"] == 0.0]
@@ -248,8 +263,9 @@ def test_sweep_cells_agree_with_an_independent_prune_and_run(files, tmp_path):
 
 
 def test_sweep_reports_a_rule_that_cannot_meet_S_and_goes_on(files):
-    res = sweep_report(str(files["res"]), sparsity="0.5,0.999", allocations="lamp,uniform",
-                       repairs="none", data=str(files["calib"]), write=False, progress=False)
+    res = sweep_report(str(files["res"]), data=str(files["calib"]),
+                       options=SweepOptions(sparsity="0.5,0.999", allocations="lamp,uniform",
+                                            repairs="none"), **QUIET)
     cells = res.report["sweep"]["cells"]
     assert [c["error"] is None for c in cells] == [True, True, False, True]
     assert "skipped cells" in res.text and res.report["sweep"]["metric"] == "agreement"
@@ -269,3 +285,137 @@ def test_repairability_section_rows_and_suggested_allocation(files):
     assert alloc["rule"] == "rr" and alloc["n_pruned"] == int(0.9 * alloc["n_weights"])
     assert section["transition"]["band"] is not None and "rr s@0.9" in text
     assert section["n_images"] == 16
+
+
+# -- the whole model's budget (issue 15: linear layers other than the head) ------------------
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory):
+    return digits_mlp(tmp_path_factory.mktemp("mlp"))
+
+
+def test_prune_refuses_a_budget_that_only_the_head_could_meet(mlp, tmp_path):
+    model, data = mlp
+    out = tmp_path / "p.onnx"
+    with pytest.raises(OnnxDiagError) as err:
+        prune_report_sparse(str(model), output=out, data=str(data),
+                            options=PruneOptions(sparsity=0.5, allocation="erk"), **QUIET)
+    msg = str(err.value)
+    assert "\n" not in msg and "592 of the model's 1,184 conv/linear weights" in msg
+    assert "only the head 'MatMul1' (160 weights)" in msg and "'MatMul' with 1,024" in msg
+    assert "%" not in msg  # never "50 %"
+    assert not out.exists() and not (tmp_path / "p.onnx.json").exists()
+
+
+def test_prune_sparsity_zero_on_the_mlp_is_a_reported_no_op(mlp, tmp_path):
+    model, data = mlp
+    out = tmp_path / "p.onnx"
+    res = prune_report_sparse(str(model), output=out, data=str(data), eval_data=str(data),
+                              options=PruneOptions(sparsity=0.0), **QUIET)
+    info = res.report["prune"]
+    assert info["no_op"] == "sparsity 0 removes no weight" and info["repair"] is None
+    assert info["n_pruned"] == 0 and info["n_weights"] == 1184
+    assert info["budget"]["n_supported"] == 160
+    assert [u["layer"] for u in info["budget"]["unsupported"]] == ["MatMul"]
+    assert "NO-OP: sparsity 0 removes no weight" in res.text
+    x = np.load(data)["X"]
+    emitted = run_ort(onnx.load(out), {"X": x})["probabilities"]
+    np.testing.assert_allclose(emitted, run_ort(onnx.load(model), {"X": x})["probabilities"],
+                               atol=1e-6)
+    assert info["accuracy"]["emitted"] == info["accuracy"]["source"]
+
+
+def test_prune_a_rounded_down_budget_says_why_nothing_was_removed(files, tmp_path):
+    res = prune_report_sparse(str(files["res"]), output=tmp_path / "p.onnx",
+                              data=str(files["calib"]),
+                              options=PruneOptions(sparsity=0.0001, allocation="erk"), **QUIET)
+    info = res.report["prune"]
+    assert info["n_pruned"] == 0 and "rounds down to 0 weights" in info["no_op"]
+    assert "NO-OP" in res.text
+
+
+def test_prune_counts_every_layer_and_reaches_s_on_the_supported_ones(tmp_path):
+    """Conv c0 (216) + ConvTranspose 'up' (128, not prunable) + head (20): S = 0.5 of all
+    364 weights is 182, placed on c0 and the head; 'up' is untouched."""
+    from corpus import conv_transpose
+
+    src = tmp_path / "ct.onnx"
+    onnx.save(conv_transpose(), src)
+    calib = tmp_path / "c.npz"
+    np.savez(calib, x=np.random.default_rng(0).standard_normal((16, 3, 8, 8)).astype(np.float32))
+    out = tmp_path / "p.onnx"
+    info = prune_report_sparse(str(src), output=out, data=str(calib),
+                               options=PruneOptions(sparsity=0.5, allocation="uniform"),
+                               **QUIET).report["prune"]
+    assert (info["n_weights"], info["n_pruned"], info["sparsity_achieved"]) == (364, 182, 0.5)
+    assert info["budget"]["n_supported"] == 236 and info["allocation"]["n_pruned"] == 182
+    assert info["budget"]["unsupported"][0]["layer"] == "up"
+    init = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(out).graph.initializer}
+    assert int((init["c0.weight"] == 0).sum() + (init["head.weight"] == 0).sum()) == 182
+    np.testing.assert_array_equal(init["up.weight"], onnx.numpy_helper.to_array(
+        [t for t in conv_transpose().graph.initializer if t.name == "up.weight"][0]))
+    with pytest.raises(OnnxDiagError, match=r"hold 236.*at most 0\.648"):
+        prune_report_sparse(str(src), output=tmp_path / "q.onnx", data=str(calib),
+                            options=PruneOptions(sparsity=0.7, allocation="uniform"), **QUIET)
+
+
+def test_a_cnn_counts_only_its_own_layers(files, tmp_path):
+    info = prune_report_sparse(str(files["res"]), output=tmp_path / "p.onnx",
+                               data=str(files["calib"]),
+                               options=PruneOptions(sparsity=0.5, allocation="erk"),
+                               **QUIET).report["prune"]
+    m = load_model(files["res"])
+    every = sum(int(np.prod(la.weight_shape)) for la in analyze_structure(m).layers)
+    assert info["n_weights"] == every == info["budget"]["n_supported"]
+    assert info["budget"]["unsupported"] == [] and info["sparsity_achieved"] == \
+        pytest.approx(0.5, abs=1 / every)
+    assert info["allocation"]["target"] == 0.5  # S itself: no rescaling without others
+
+
+def test_count_sparsity_is_the_shortest_exact_decimal():
+    from fractions import Fraction
+
+    from onnxdiag.sparsity.budget import count_sparsity, prune_count
+
+    for n in range(1, 80):
+        for k in range(n + 1):
+            s = count_sparsity(k, n)
+            assert prune_count(n, s) == k
+            digits = len(str(Fraction(str(s)).denominator)) - 1
+            for shorter in range(digits):  # no decimal with fewer digits prunes k of n
+                scale = 10 ** shorter
+                assert not any(prune_count(n, i / scale) == k for i in range(scale + 1))
+
+
+def test_prune_report_and_sidecar_share_the_vocabulary(files, tmp_path):
+    jsonschema = pytest.importorskip("jsonschema")  # noqa: F841
+    from onnxdiag.report.schema import validate_report
+
+    out = tmp_path / "p.onnx"
+    res = prune_report_sparse(str(files["res"]), output=out, data=str(files["calib"]),
+                              eval_data=str(files["eval"]),
+                              options=PruneOptions(sparsity=0.6, allocation="lamp"),
+                              report=ReportTarget(tmp_path / "rep"),
+                              runtime=Runtime(progress=False))
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    validate_report(report)
+    broken = json.loads(json.dumps(report))
+    del broken["prune"]["latency_ms"]
+    with pytest.raises(OnnxDiagError, match="latency_ms"):
+        validate_report(broken)
+    side = json.loads((tmp_path / "p.onnx.json").read_text())
+    for key in ("source", "emitted", "checks", "comparison", "latency_ms", "accuracy", "notes"):
+        assert side[key] == report["prune"][key], key
+    assert side["emitted"]["path"] == str(out) and side["emitted"]["file_bytes"] == \
+        out.stat().st_size
+    assert side["source"]["file_bytes"] == files["res"].stat().st_size
+    assert side["emitted"]["params"] == side["source"]["params"]  # zeros stay stored
+    assert side["emitted"]["nonzero_params"] == side["source"]["nonzero_params"] - \
+        side["n_pruned"]
+    assert side["comparison"]["data"] == "evaluation" and side["comparison"]["n_samples"] == 40
+    assert side["checks"]["full_checker"] == "passed"
+    assert side["checks"]["max_abs_output_diff"] == 0.0
+    assert set(side["latency_ms"]) == {"source", "emitted", "speedup", "providers"}
+    assert side["accuracy"]["before_recovery"] is None
+    assert report["metadata"]["data"].keys() == {"calibration", "evaluation"}
+    assert report["metadata"]["parameters"]["pruner"]["rr_positions"] == 16
+    assert "checks: full ONNX checker passed" in res.text

@@ -1,6 +1,7 @@
-"""CLI verbs for unstructured pruning (SPEC C): rr, prune, sweep.
+"""CLI verbs for unstructured pruning (docs/METHODS.md §C): rr, prune, sweep.
 
-Imported by onnxdiag.cli; each command registers itself on the ``cli`` group.
+Imported by onnxdiag.cli; each command registers itself on the ``cli`` group. Imports only
+click and the option groups: each command imports its verb module when it runs.
 """
 
 from __future__ import annotations
@@ -12,14 +13,18 @@ from .options import (
     data_options,
     emit_result,
     head_options,
-    library_kwargs,
     output_options,
-    sampling_and_providers,
+    runtime_options,
+    sampling_options,
+    take_records,
 )
 
+# Literal copies of onnxdiag.sparsity.RULES / METHODS (a test checks they are equal), so
+# that `onnxdiag --help` imports neither numpy nor onnx.
 RULE_CHOICES = ("global", "uniform", "erk", "lamp", "rr", "rr-greedy", "rr-marginal")
 REPAIR_CHOICES = ("none", "bn", "cr", "cr+bn", "layer-cr", "layer-cr+bn", "shrunk-cr",
                   "shrunk-cr+bn")
+FAN_OUT_UNITS = "RR layer / sweep cell"
 
 
 def _positions_option(ctx, param, value):
@@ -35,24 +40,14 @@ def _positions_option(ctx, param, value):
     return n
 
 
-def _fan_out_options(f):
-    """--executor / --jobs of the verbs whose units (RR layers, sweep cells) can fan out."""
-    f = click.option("--jobs", type=click.IntRange(min=1), default=None,
-                     help="With --executor local: worker processes (default: one per "
-                          "core).")(f)
-    return click.option(
-        "--executor", default=None, metavar="local|ray[=ADDRESS]",
-        help="Run each unit (RR layer, sweep cell) on local worker processes, a local Ray "
-             "instance (ray) or a Ray cluster (ray=HOST:PORT). Default: in this process.")(f)
-
-
 def rr_options(f):
-    """Options shared by the verbs that allocate: dense layers, the rr rule, the repair."""
+    """Options shared by the verbs that allocate: dense layers, the rr rule, the repair
+    (the fields of :class:`onnxdiag.commands.pruning.PrunerOptions`)."""
     for opt in reversed([
         click.option("--keep-dense", "keep_dense", multiple=True, metavar="NODE",
                      help="Leave this layer dense (repeatable), e.g. the stem or the head."),
         click.option("--rr-images", type=click.IntRange(min=1), default=64, show_default=True,
-                     help="Calibration images for the RR curves (SPEC C2)."),
+                     help="Calibration images for the RR curves (docs/METHODS.md §C2)."),
         click.option("--rr-positions", default="16", show_default=True, metavar="N|all",
                      callback=_positions_option,
                      help="Conv output positions per image (seeded by --seed) whose patches "
@@ -75,62 +70,77 @@ def rr_options(f):
     return f
 
 
+def _verb_options(cls, kwargs: dict):
+    """The verb's options record from what ``take_records`` left: the shared pruner
+    options nested as ``pruner``, the rest as the verb's own fields."""
+    from ..commands.pruning import PrunerOptions
+
+    pruner = PrunerOptions.take(kwargs)
+    return cls(pruner=pruner, **kwargs)
+
+
 @cli.command()
 @click.argument("model")
 @data_options(required=True)
-@sampling_and_providers
+@sampling_options
+@runtime_options(fan_out=True, units=FAN_OUT_UNITS)
 @head_options
 @click.option("--grid", default=None,
-              help="RR sparsities, e.g. 0:0.9:0.05,0.91:0.99:0.01 (default: SPEC C2's 28 "
-                   "points).")
+              help="RR sparsities, e.g. 0:0.9:0.05,0.91:0.99:0.01 (default: the 28 points of "
+                   "docs/METHODS.md §C2).")
 @click.option("--band-sparsity", default="0.1:0.9:0.1,0.91:0.99:0.01", show_default=True,
               help="Global sparsities of the label-free transition scan, or 'none'.")
 @click.option("--allocation", type=click.Choice(RULE_CHOICES), default="rr",
               show_default=True, help="Allocation used by the transition scan.")
 @rr_options
 @output_options
-@_fan_out_options
-def rr(model, fmt, **kwargs):
+def rr(model, **kwargs):
     """Relative repairability curves per layer and the predicted transition band.
 
-    RR(layer, s) from one capture pass over --data (SPEC C2), then a label-free scan
-    of global sparsities (CR+BN vs BN-only agreement with the dense model, CTS; SPEC
-    C4). Writes report.json, report.txt, rr_curves.csv and transition.csv.
+    RR(layer, s) from one capture pass over --data (docs/METHODS.md §C2), then a
+    label-free scan of global sparsities (CR+BN vs BN-only agreement with the dense
+    model, CTS; §C4). Writes report.json, report.txt, rr_curves.csv and transition.csv.
     """
-    from ..commands.rr import rr_report
+    from ..commands.rr import RROptions, rr_report
 
-    kwargs["keep_dense"] = list(kwargs["keep_dense"])
-    emit_result(rr_report(model, **library_kwargs(kwargs)), fmt)
+    rec = take_records(kwargs)
+    emit_result(rr_report(model, **rec.library(), options=_verb_options(RROptions, kwargs)),
+                rec.fmt)
 
 
 @cli.command()
 @click.argument("model")
 @click.option("-o", "--output", required=True, help="Pruned model file to write (.onnx).")
 @click.option("--sparsity", type=click.FloatRange(0, 1), required=True,
-              help="Global sparsity S: fraction of the prunable weights removed, e.g. 0.95.")
+              help="Global sparsity S: fraction of the model's conv/linear weights removed, "
+                   "e.g. 0.95 (0 writes the model unchanged and says so).")
 @click.option("--allocation", type=click.Choice(RULE_CHOICES), default="rr",
-              show_default=True, help="How S is spread over the layers (SPEC C3).")
+              show_default=True, help="How S is spread over the layers (docs/METHODS.md §C3).")
 @click.option("--repair", type=click.Choice(REPAIR_CHOICES), default="cr+bn",
-              show_default=True, help="Label-free repair (SPEC C1).")
+              show_default=True, help="Label-free repair (docs/METHODS.md §C1).")
 @click.option("--sparse-initializers", is_flag=True,
               help="Store pruned weights as sparse_initializer where that is smaller.")
 @data_options(required=True)
 @data_options("eval-")
-@sampling_and_providers
+@sampling_options
+@runtime_options()
 @head_options
 @rr_options
 @output_options
-def prune(model, fmt, **kwargs):
-    """Prune to a global sparsity, repair, and write the model (SPEC C5).
+def prune(model, output, **kwargs):
+    """Prune to a global sparsity, repair, and write the model (docs/METHODS.md §C5).
 
-    Writes OUTPUT and OUTPUT.json (per-layer sparsity, allocation, repair parameters,
-    dense model hash, agreement, accuracy with --eval-data, sizes, CPU latency).
-    Refuses to overwrite the input, and an existing OUTPUT without --overwrite.
+    Writes OUTPUT and OUTPUT.json (source and emitted model facts, checks, comparison with
+    the source, accuracy with --eval-data, CPU latency, per-layer sparsity, allocation,
+    repair parameters). Refuses to overwrite the input, and an existing OUTPUT without
+    --overwrite. Until MatMul/Gemm layers other than the head are prunable, a sparsity
+    that could only be met by pruning the head is refused.
     """
-    from ..commands.prune import prune_report_sparse
+    from ..commands.prune import PruneOptions, prune_report_sparse
 
-    kwargs["keep_dense"] = list(kwargs["keep_dense"])
-    emit_result(prune_report_sparse(model, **library_kwargs(kwargs)), fmt)
+    rec = take_records(kwargs, roles=("", "eval-"))
+    emit_result(prune_report_sparse(model, output=output, **rec.library(),
+                                    options=_verb_options(PruneOptions, kwargs)), rec.fmt)
 
 
 @cli.command()
@@ -145,19 +155,20 @@ def prune(model, fmt, **kwargs):
               help="Comma-separated repairs (" + ", ".join(REPAIR_CHOICES) + ").")
 @data_options(required=True)
 @data_options("eval-")
-@sampling_and_providers
+@sampling_options
+@runtime_options(fan_out=True, units=FAN_OUT_UNITS)
 @head_options
 @rr_options
 @output_options
-@_fan_out_options
-def sweep(model, fmt, **kwargs):
+def sweep(model, **kwargs):
     """Accuracy table over sparsity x allocation x repair, with the transition bands.
 
     Per cell: agreement with the dense model on --data (label-free) and, with
     --eval-data, top-1 accuracy and loss. RR curves are computed once. Writes
     report.json, report.txt and sweep.csv.
     """
-    from ..commands.sweep import sweep_report
+    from ..commands.sweep import SweepOptions, sweep_report
 
-    kwargs["keep_dense"] = list(kwargs["keep_dense"])
-    emit_result(sweep_report(model, **library_kwargs(kwargs)), fmt)
+    rec = take_records(kwargs, roles=("", "eval-"))
+    emit_result(sweep_report(model, **rec.library(),
+                             options=_verb_options(SweepOptions, kwargs)), rec.fmt)

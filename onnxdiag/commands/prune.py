@@ -1,148 +1,227 @@
 """The ``prune`` verb: unstructured pruning with one allocation and one repair, emitted
-with a sidecar."""
+with a sidecar (docs/METHODS.md §C1, §C3, §C5)."""
 
 from __future__ import annotations
 
-import numpy as np
+import os
+from dataclasses import dataclass
 
 from ..errors import OnnxDiagError
-from ..report import SCHEMA_VERSION, build_metadata, render_table
-from .base import CommandResult, check_out, finish_old, render_header
+from ..report import SCHEMA_VERSION, render_table, rows_to_csv
+from .base import CommandResult, HeadChoice, ReportTarget, Runtime, finish, render_header
 from .pruning import (
-    DEFAULTS,
     LATENCY_NOTE,
+    Inputs,
+    PrunerOptions,
     check_model_output,
     compute_curves,
     make_pruner,
-    parse_positions_arg,
-    pruning_setup,
+    open_inputs,
+    protected_inputs,
+    pruning_metadata,
     say,
 )
 
 
-def prune_report_sparse(model, *, output, sparsity, allocation="rr", repair="cr+bn", data,
-                        labels=None, eval_data=None, eval_labels=None, keep_dense=(),
-                        rr_images=64, rr_positions=16, rr_prior="erk", rr_gamma=1.0, rr_cap=0.99,
-                        force_projection=False, alpha_cap=100.0, recalibrate="affected",
-                        sparse_initializers=False, limit=None, seed=0, batch_size=64,
-                        providers=None, head=None, features=None, out=None, overwrite=False,
-                        write=True, progress=True) -> CommandResult:
-    """Prune to a global sparsity, repair, emit the model (``onnxdiag prune``, SPEC C5).
+@dataclass(frozen=True)
+class PruneOptions:
+    """Options of ``onnxdiag prune``.
 
-    The emitted file passes the full ONNX checker (the dense-stored form), is reloaded
-    from its bytes in ONNX Runtime and compared with the in-memory model, and gets a
-    sidecar ``<output>.json``: per-layer sparsity, allocation, repair parameters, the
-    dense model's hash, agreement with the dense model, accuracies, sizes, latency.
+    ``sparsity``: the global sparsity S, a fraction of every conv / linear weight of the
+    model (required; 0 is a reported no-op). ``allocation``: how S is spread over the
+    layers (docs/METHODS.md §C3); ``repair``: the label-free repair (§C1).
     ``sparse_initializers``: store pruned weights as ``sparse_initializer`` when smaller.
+    ``seed``: the RR position draw. ``pruner``: the options shared with rr and sweep.
     """
-    from ..model.finalize import finalize_model
-    from ..model.io import model_hash
-    from ..sparsity import METHODS, RULES
-    from ..sparsity.budget import exact_fraction
 
-    if allocation not in RULES:
-        raise OnnxDiagError(f"Unknown allocation {allocation!r}; choose from {', '.join(RULES)}.")
-    if repair not in METHODS:
-        raise OnnxDiagError(f"Unknown repair {repair!r}; choose from {', '.join(METHODS)}.")
-    exact_fraction(sparsity)
-    protect = [model, data, eval_data, labels, eval_labels]
-    folder = check_out(out, "prune", overwrite, write)
-    check_model_output(output, protect, overwrite)
-    m, structure, specs, calib, feeds, evaluation, layers = pruning_setup(
-        model, data=data, labels=labels, limit=limit, seed=seed, batch_size=batch_size,
-        head=head, features=features, eval_data=eval_data, eval_labels=eval_labels,
-        keep_dense=keep_dense)
-    curves = None if not allocation.startswith("rr") else compute_curves(
-        m, layers, feeds, n_images=rr_images, positions=rr_positions, seed=seed,
-        providers=providers, progress=progress)
-    pruner = make_pruner(m, structure, feeds, keep_dense=keep_dense, curves=curves,
-                     rr_prior=rr_prior, rr_gamma=rr_gamma, rr_cap=rr_cap,
-                     force_projection=force_projection, alpha_cap=alpha_cap,
-                     recalibrate=recalibrate, providers=providers)
-    alloc = pruner.allocate(allocation, sparsity)
-    say(progress, f"Pruning {alloc.n_pruned} of {alloc.n_weights} weights ({allocation}), "
-                   f"repair {repair} on {pruner.n_images} calibration images")
-    pruned, record = pruner.prune(alloc, repair)
-    pruned = finalize_model(pruned)
-    info = _emit_pruned(m, pruned, pruner, alloc, record, output=output, model=model,
-                        evaluation=evaluation, feeds=feeds, calib=calib,
-                        specs=specs, sparse=sparse_initializers, protect=protect,
-                        dense_hash=model_hash(m))
-    params = dict(output=str(output), sparsity=sparsity, allocation=allocation, repair=repair,
-                  data=data, labels=labels, eval_data=eval_data, eval_labels=eval_labels,
-                  keep_dense=list(keep_dense), rr_images=rr_images,
-                  rr_positions=parse_positions_arg(rr_positions), rr_prior=rr_prior,
-                  rr_gamma=rr_gamma, rr_cap=rr_cap, force_projection=force_projection,
-                  alpha_cap=alpha_cap, recalibrate=recalibrate,
-                  sparse_initializers=sparse_initializers, limit=limit, seed=seed,
-                  batch_size=batch_size, providers=providers, head=head, features=features,
-                  defaults=DEFAULTS)
-    meta = build_metadata(command="prune", parameters=params, model_path=model,
-                          model_hash=info["dense_model_sha256"],
-                          data={"calibration": calib.describe(),
-                                "eval": evaluation.describe() if evaluation else None})
-    report = {"schema": SCHEMA_VERSION, "metadata": meta, "prune": info}
+    sparsity: float | None = None
+    allocation: str = "rr"
+    repair: str = "cr+bn"
+    sparse_initializers: bool = False
+    seed: int = 0
+    pruner: PrunerOptions = PrunerOptions()
+
+    def check(self) -> None:
+        """Raise OnnxDiagError for an option prune cannot use (before any work)."""
+        from ..sparsity import METHODS, RULES
+        from ..sparsity.budget import exact_fraction
+
+        if self.sparsity is None:
+            raise OnnxDiagError("prune needs a global sparsity: give --sparsity S (e.g. 0.9 "
+                                "for 90 % of the model's conv/linear weights removed).")
+        if self.allocation not in RULES:
+            raise OnnxDiagError(f"Unknown allocation {self.allocation!r}; choose from "
+                                f"{', '.join(RULES)}.")
+        if self.repair not in METHODS:
+            raise OnnxDiagError(f"Unknown repair {self.repair!r}; choose from "
+                                f"{', '.join(METHODS)}.")
+        exact_fraction(self.sparsity)
+        self.pruner.check()
+
+
+def prune_report_sparse(model, *, output, data, eval_data=None,
+                        options: PruneOptions = PruneOptions(),
+                        head: HeadChoice = HeadChoice(),  # noqa: B008 - frozen records
+                        runtime: Runtime = Runtime(),  # noqa: B008
+                        report: ReportTarget = ReportTarget(),  # noqa: B008
+                        ) -> CommandResult:
+    """Prune to a global sparsity, repair, emit the model (``onnxdiag prune``).
+
+    S counts every conv / linear weight of the model; until linear layers other than the
+    head are prunable, a budget that can only reach the head, or that the prunable layers
+    cannot hold, is refused (OnnxDiagError) before any work. A budget of 0 weights emits
+    the source model unchanged and says why (``no_op``). The emitted file goes through
+    :func:`~onnxdiag.model.finalize.emit_model` (full checker, ONNX Runtime reload,
+    outputs against the in-memory model) and gets a sidecar ``<output>.json`` with the
+    same section as the report: ``source``, ``emitted``, ``checks``, ``comparison``,
+    ``latency_ms``, ``accuracy``, ``notes`` and the per-layer sparsity, allocation and
+    repair.
+    """
+    from ..sparsity.budget import plan_model_budget
+
+    options.check()
+    protect = protected_inputs(model, data, eval_data)
+    folder = report.folder("prune")
+    check_model_output(output, protect, report.overwrite)
+    inputs = open_inputs(model, data, eval_data, head=head,
+                         keep_dense=options.pruner.keep_dense)
+    budget = plan_model_budget(options.sparsity, inputs.structure.layers, inputs.layers,
+                               options.pruner.keep_dense)
+    pruned, pruner, alloc, record = _prune(inputs, options, budget, runtime)
+    info = _emit(inputs, pruned, pruner, alloc, record, budget=budget, output=output,
+                 options=options, protect=protect)
+    meta = pruning_metadata("prune", inputs, options, runtime=runtime, head=head, data=data,
+                            eval_data=eval_data, output=str(output))
+    doc = {"schema": SCHEMA_VERSION, "metadata": meta, "prune": info}
     text = render_header(meta) + render_prune_sparse(info)
-    from ..report.text import rows_to_csv
-
-    alloc_d = info["allocation"]
-    table = rows_to_csv([{"layer": k, "n_weights": alloc_d["n_params"][k],
-                          "n_kept": alloc_d["n_kept"][k], "sparsity": info["layer_sparsity"][k]}
-                         for k in alloc_d["layers"]])
-    return finish_old("prune", report, text, text, folder, overwrite, csv=table,
-                   csv_name="layers.csv")
+    a = info["allocation"]
+    table = rows_to_csv([{"layer": k, "n_weights": a["n_params"][k], "n_kept": a["n_kept"][k],
+                          "sparsity": info["layer_sparsity"][k]} for k in a["layers"]])
+    return finish("prune", doc, text, folder, report.overwrite, csv=table,
+                  csv_name="layers.csv")
 
 
-def _emit_pruned(m, pruned, pruner, alloc, record, *, output, model, evaluation, feeds, calib,
-                 specs, sparse, protect, dense_hash) -> dict:
-    """Checks, comparison, storage choice, latency; writes the model and its sidecar."""
+def no_op_reason(budget) -> str | None:
+    """Why a budget removes nothing (None when it removes something)."""
+    if budget.n_pruned:
+        return None
+    if budget.target == 0:
+        return "sparsity 0 removes no weight"
+    return (f"sparsity {budget.target:g} of {budget.n_model:,} conv/linear weights rounds "
+            f"down to 0 weights (⌊S·N⌋ = 0)")
+
+
+def _prune(inputs: Inputs, options: PruneOptions, budget, runtime) -> tuple:
+    """(finalized pruned model, pruner, allocation, repair record or None for a no-op)."""
+    from ..model.finalize import finalize_model
+
+    rule, opts = options.allocation, options.pruner
+    curves = None
+    if rule.startswith("rr") and budget.n_pruned:
+        curves = compute_curves(inputs, opts, seed=options.seed, providers=runtime.providers,
+                                progress=runtime.progress)
+    pruner = make_pruner(inputs, opts, curves, runtime.providers)
+    if not budget.n_pruned:  # nothing to remove: no allocation rule or repair runs
+        alloc = pruner.allocate("uniform", 0.0)
+        say(runtime.progress, f"Pruning nothing: {no_op_reason(budget)}; emitting the source "
+                              "model unchanged")
+        return finalize_model(inputs.model), pruner, alloc, None
+    alloc = pruner.allocate(rule, budget.sparsity_supported)
+    say(runtime.progress, f"Pruning {alloc.n_pruned} of {alloc.n_weights} weights ({rule}), "
+                          f"repair {options.repair} on {pruner.n_images} calibration images")
+    pruned, record = pruner.prune(alloc, options.repair)
+    return finalize_model(pruned), pruner, alloc, record
+
+
+def _emit(inputs: Inputs, pruned, pruner, alloc, record, *, budget, output, options,
+          protect) -> dict:
+    """Storage choice, measurements; writes the model and its sidecar (the section)."""
     from .. import __version__
-    from ..evaluate import compare_models, make_head_runner
     from ..model.finalize import emit_model
-    from ..runtime.latency import measure_latency
-    from .base import example_input
 
-    head = pruner.head
-    agreement, ev_pruned = pruner.measure(pruned, evaluation)
-    _, ev_dense = pruner.measure(m, evaluation) if evaluation is not None else (None, None)
-    comparison = compare_models(make_head_runner(m, head), make_head_runner(pruned, head),
-                                calib, head)
-    checks = {"full_checker": "passed", "reload": _reload_check(pruned, feeds[0])}
     final, storage = pruned, {"format": "dense", "sparse_initializers": []}
-    if sparse:
-        final, storage = _sparse_storage(pruned, pruner, feeds[0])
-    x = example_input(specs, calib)
-    latency = {"dense_ms": measure_latency(m, {1: x[:1], 32: x}),
-               "pruned_ms": measure_latency(final, {1: x[:1], 32: x})}
+    if options.sparse_initializers:
+        final, storage = _sparse_storage(pruned, pruner, inputs.feeds[0])
+    reason = no_op_reason(budget)
+    notes = ([f"no-op: {reason}; the emitted model is the source model (no repair ran)"]
+             if reason else []) + [LATENCY_NOTE] + ([storage["note"]] if storage.get("note")
+                                                    else [])
     sidecar = {
         "tool": "onnxdiag prune", "tool_version": __version__,
-        "dense_model_path": str(model), "dense_model_sha256": dense_hash,
-        "sparsity_target": alloc.target, "sparsity_achieved": alloc.n_pruned / alloc.n_weights,
-        "n_weights": alloc.n_weights, "n_pruned": alloc.n_pruned,
-        "layer_sparsity": dict(alloc.sparsity), "keep_dense": list(pruner.keep_dense),
-        "allocation": alloc.to_dict(), "repair": record.to_dict(arrays=True),
-        "agreement_with_dense": {"top1_agreement": agreement, "n_images": pruner.n_images,
-                                 "data": "calibration"},
-        "comparison_with_dense": comparison, "accuracy_dense": ev_dense,
-        "accuracy_pruned": ev_pruned, "checks": checks, "storage": storage,
-        "sizes": {"dense_bytes": m.ByteSize(), "pruned_dense_storage_bytes": pruned.ByteSize(),
-                  "emitted_bytes": final.ByteSize()},
-        "latency_cpu": latency, "notes": [LATENCY_NOTE]}
-    return emit_model(final, output, source_path=model, sidecar=sidecar, protect=protect)
+        "source": _model_facts(inputs.model, inputs.structure, inputs.path),
+        **_measure(inputs, pruned, final, pruner),
+        "sparsity_target": budget.target, "n_weights": budget.n_model,
+        "n_pruned": alloc.n_pruned, "sparsity_achieved": alloc.n_pruned / budget.n_model,
+        "no_op": reason, "budget": budget.to_dict(), "layer_sparsity": dict(alloc.sparsity),
+        "keep_dense": list(pruner.keep_dense), "allocation": alloc.to_dict(),
+        "repair": None if record is None else record.to_dict(arrays=True),
+        "storage": storage, "notes": notes}
+    sidecar["emitted"] = _model_facts(pruned, inputs.structure)
+    info = emit_model(final, output, source_path=inputs.path, sidecar=sidecar,
+                      protect=protect, verify_feeds=inputs.feeds[0])
+    return _complete_emitted(info, sidecar["emitted"], output)
 
 
-def _reload_check(model, feeds: dict) -> dict:
-    """Serialize, parse back, full checker, ORT session; outputs equal the in-memory model's."""
-    import onnx
+def _measure(inputs: Inputs, pruned, final, pruner) -> dict:
+    """``agreement`` (all calibration images, docs/METHODS.md §C4), ``comparison`` (on the
+    evaluation data, else the calibration data), ``accuracy`` and ``latency_ms``."""
+    from ..evaluate import compare_models, evaluate, make_head_runner
+    from ..runtime.latency import measure_latency
+    from .base import example_input, safe_ratio
 
-    from ..runtime.runner import OrtRunner
+    head, m = pruner.head, inputs.model
+    verify = inputs.evaluation or inputs.calib
+    comparison = compare_models(make_head_runner(m, head), make_head_runner(pruned, head),
+                                verify, head)
+    comparison["data"] = "evaluation" if inputs.evaluation is not None else "calibration"
+    accuracy = {role: None if ev is None else ev.to_dict() for role, ev in (
+        ("source", evaluate(m, head, inputs.evaluation, providers=pruner.providers)),
+        ("emitted", evaluate(pruned, head, inputs.evaluation, providers=pruner.providers)))}
+    x = example_input(inputs.specs, inputs.calib)
+    source_ms = measure_latency(m, {1: x[:1], 32: x})
+    emitted_ms = measure_latency(final, {1: x[:1], 32: x})
+    return {"agreement": {"top1_agreement": pruner.agreement(pruned),
+                          "n_images": pruner.n_images, "data": "calibration"},
+            "comparison": comparison, "accuracy": {**accuracy, "before_recovery": None},
+            "latency_ms": {"source": source_ms, "emitted": emitted_ms,
+                           "speedup": {b: safe_ratio(source_ms[b], emitted_ms[b])
+                                       for b in source_ms}, "providers": "cpu"}}
 
-    again = onnx.load_from_string(model.SerializeToString())
-    onnx.checker.check_model(again, full_check=True)
-    a = OrtRunner(model, providers="cpu").run(feeds)
-    b = OrtRunner(again, providers="cpu").run(feeds)
-    return {"onnxruntime_load": "passed",
-            "max_abs_output_diff": max(float(np.max(np.abs(a[k] - b[k]))) for k in a)}
+
+def _model_facts(model, structure, path=None) -> dict:
+    """path, sha256, file_bytes, params, flops of a model (``nonzero_params`` too: the
+    unstructured zeros stay stored, so ``params`` does not fall)."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    from ..model.io import model_hash
+
+    floats = [numpy_helper.to_array(t) for t in model.graph.initializer
+              if t.data_type in (1, 10, 11, 16)]  # float, float16, double, bfloat16
+    facts = {"path": None if path is None else str(path), "sha256": model_hash(model),
+             "file_bytes": model.ByteSize(), "params": structure.n_params,
+             "flops": structure.flops,
+             "nonzero_params": int(sum(np.count_nonzero(w) for w in floats))}
+    if path is not None and os.path.isfile(str(path)):
+        facts["file_bytes"] = os.path.getsize(str(path))
+    return facts
+
+
+def _complete_emitted(info: dict, facts: dict, output) -> dict:
+    """The emitted model's params / FLOPs next to what emit_model records about the file
+    (path, sha256, file_bytes); the sidecar is rewritten when emit_model left them out."""
+    merged = {**facts, **info["emitted"]}
+    if merged == info["emitted"]:
+        return info
+    from ..model.io import write_text_atomic
+    from ..report import to_json
+
+    info = {**info, "emitted": merged}
+    side = f"{output}.json"
+    mode = os.stat(side).st_mode & 0o777
+    write_text_atomic(side, to_json(info))
+    os.chmod(side, mode)
+    return info
 
 
 def _sparse_storage(pruned, pruner, feeds) -> tuple:
@@ -165,32 +244,56 @@ def _sparse_storage(pruned, pruner, feeds) -> tuple:
 
 
 def render_prune_sparse(info: dict) -> str:
+    """The text section of ``prune``."""
     alloc = info["allocation"]
     rows = [{"layer": name, "weights": alloc["n_params"][name], "kept": alloc["n_kept"][name],
              "sparsity": info["layer_sparsity"][name]} for name in alloc["layers"]]
-    lat, sizes = info["latency_cpu"], info["sizes"]
-    cmp_ = info["agreement_with_dense"]
-    lines = [f"== Unstructured pruning (SPEC C): {alloc['rule']} at S = {alloc['target']}, "
-             f"repair {info['repair']['method']} ==", render_table(rows).rstrip(),
-             f"pruned {info['n_pruned']} of {info['n_weights']} prunable weights "
-             f"({100 * info['sparsity_achieved']:.3f} %) -> {info['emitted']['path']} "
-             f"(+ sidecar .json)",
-             f"top-1 agreement with the dense model: {100 * cmp_['top1_agreement']:.2f} % on "
-             f"{cmp_['n_images']} calibration images; max |logit diff| "
-             f"{info['comparison_with_dense']['max_abs_logit_diff']:.4g}"]
-    if info.get("accuracy_pruned"):
-        lines.append(f"top-1 on eval data: dense {100 * info['accuracy_dense']['accuracy']:.2f} "
-                     f"%, pruned {100 * info['accuracy_pruned']['accuracy']:.2f} %")
-    st = info["storage"]
-    lines += [f"checks: full ONNX checker {info['checks']['full_checker']}, reload in ONNX "
-              f"Runtime {info['checks']['reload']['onnxruntime_load']}",
-              f"size: dense {sizes['dense_bytes']:,} B, emitted {info['emitted']['file_bytes']:,}"
-              f" B on disk ({st['format']} storage"
-              + (f", {len(st['sparse_initializers'])} sparse initializers" if
-                 st["format"] != "dense" else "") + ")",
-              f"CPU latency ms: dense b=1 {lat['dense_ms']['1']:.3f}, b=32 "
-              f"{lat['dense_ms']['32']:.3f}; pruned b=1 {lat['pruned_ms']['1']:.3f}, b=32 "
-              f"{lat['pruned_ms']['32']:.3f}", f"note: {LATENCY_NOTE}"]
-    if st.get("note"):
-        lines.append(f"note: {st['note']}")
-    return "\n".join(lines) + "\n"
+    title = (f"{alloc['rule']} at S = {info['sparsity_target']:g}, repair "
+             f"{info['repair']['method']}" if not info.get("no_op") else
+             f"S = {info['sparsity_target']:g}: NO-OP")
+    lines = [f"== Unstructured pruning (docs/METHODS.md §C), {title} ==",
+             render_table(rows).rstrip()]
+    if info.get("no_op"):
+        lines.append(f"NO-OP: {info['no_op']}; the emitted model is the source model "
+                     "(nothing pruned, no repair ran)")
+    lines += _budget_lines(info) + _measure_lines(info)
+    return "\n".join(lines + [f"note: {n}" for n in info["notes"] if not n.startswith("no-op")]
+                     ) + "\n"
+
+
+def _budget_lines(info: dict) -> list[str]:
+    b = info["budget"]
+    line = (f"pruned {info['n_pruned']:,} of the model's {info['n_weights']:,} conv/linear "
+            f"weights ({100 * info['sparsity_achieved']:.3f} %) -> {info['emitted']['path']} "
+            "(+ sidecar .json)")
+    if not b["unsupported"]:
+        return [line]
+    return [line, f"  {b['n_supported']:,} of them in the prunable layers (sparsity "
+                  f"{100 * info['n_pruned'] / b['n_supported']:.3f} % there); not prunable "
+                  f"yet: " + ", ".join(f"{u['layer']} ({u['n_weights']:,})"
+                                       for u in b["unsupported"][:5])]
+
+
+def _measure_lines(info: dict) -> list[str]:
+    agr, cmp_, acc = info["agreement"], info["comparison"], info["accuracy"]
+    lat, st, src, em = info["latency_ms"], info["storage"], info["source"], info["emitted"]
+    lines = [f"top-1 agreement with the dense model: {100 * agr['top1_agreement']:.2f} % on "
+             f"{agr['n_images']} calibration images; max |logit diff| "
+             f"{cmp_['max_abs_logit_diff']:.4g} on {cmp_['n_samples']} {cmp_['data']} samples"]
+    if acc.get("emitted"):
+        lines.append(f"top-1 on eval data: source {100 * acc['source']['accuracy']:.2f} %, "
+                     f"pruned {100 * acc['emitted']['accuracy']:.2f} %")
+    checks = info["checks"]
+    checker = "full" if "full_checker" in checks else "structural"
+    stored = f"{st['format']} storage" + (f", {len(st['sparse_initializers'])} sparse "
+                                          "initializers" if st["format"] != "dense" else "")
+    lines += [f"checks: {checker} ONNX checker passed, reload in ONNX Runtime "
+              f"{checks['onnxruntime_load']}, max |output diff| after reload "
+              f"{checks['max_abs_output_diff']:.3g}",
+              f"size: source {src['file_bytes']:,} B, emitted {em['file_bytes']:,} B on disk "
+              f"({stored}); nonzero parameters {src['nonzero_params']:,} -> "
+              f"{em['nonzero_params']:,}",
+              f"CPU latency ms: source b=1 {lat['source']['1']:.3f}, b=32 "
+              f"{lat['source']['32']:.3f}; pruned b=1 {lat['emitted']['1']:.3f}, b=32 "
+              f"{lat['emitted']['32']:.3f}"]
+    return lines

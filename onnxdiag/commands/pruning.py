@@ -1,90 +1,207 @@
-"""Steps shared by the unstructured-pruning verbs ``rr``, ``prune`` and ``sweep``."""
+"""Steps shared by the unstructured-pruning verbs ``rr``, ``prune`` and ``sweep``.
+
+:class:`PrunerOptions` is the record of the options the three verbs share (the layers
+left dense, how the RR curves are estimated, the ``rr`` rule, the repair settings);
+each verb's own record nests it as ``pruner``. :func:`open_inputs` loads the model and
+opens the data roles once; :func:`compute_curves` and :func:`make_pruner` prepare the
+dense model for allocation and repair (docs/METHODS.md §C1–§C3).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import OnnxDiagError, OutputError
-from .base import CommandResult, finish, open_source
+from .base import CommandResult, DataRequest, HeadChoice, describe_sources, finish
 
-#: SPEC C4 scan of the ``rr`` verb: coarse below 0.9, fine above (17 points).
+#: docs/METHODS.md §C4 scan of the ``rr`` verb: coarse below 0.9, fine above (17 points).
 DEFAULT_BAND = "0.1:0.9:0.1,0.91:0.99:0.01"
-
 
 #: Sparsities shown as columns of the RR text table (the JSON / CSV hold the whole grid).
 TABLE_SPARSITIES = (0.5, 0.8, 0.9, 0.95, 0.99)
 
-
-#: Echoed into every report (SPEC: "our default" choices are parameters).
+#: Echoed into every report ("our default" choices of docs/METHODS.md are parameters).
 DEFAULTS = dict(rr_images=64, rr_positions=16, rr_eps=1e-12, alpha_cap=100.0, rr_prior="erk",
                 rr_gamma=1.0, rr_cap=0.99, recalibrate="affected", band_hi=0.9, band_lo=0.5,
                 band_repair="cr+bn", cts_baseline="bn")
 
-
 CTS_NOTE = ("CTS compares CR+BN with BN-only; every pruned conv here feeds a BatchNormalization, "
-            "where SPEC C4 measured CTS as noise (CR+BN ~ BN-only): read the agreement band.")
-
+            "where CTS was measured as noise (CR+BN ~ BN-only; docs/METHODS.md §C4): read the "
+            "agreement band.")
 
 LATENCY_NOTE = ("unstructured zeros do not speed up ONNX Runtime (dense kernels); removing "
                 "channels (onnxdiag prune-channels) does.")
 
+RECALIBRATE = ("affected", "all")
 
-def open_setup(model, *, data, labels, limit, seed, batch_size, head, features):
-    """(model, structure, specs, calibration DataSource, its feeds in memory)."""
+
+@dataclass(frozen=True)
+class PrunerOptions:
+    """The options ``rr``, ``prune`` and ``sweep`` share (defaults: docs/METHODS.md §C1–§C3).
+
+    ``keep_dense``: layer names left dense (they count in the budget). ``rr_images``:
+    calibration images for the RR curves; ``rr_positions``: conv output positions per image
+    whose patches enter the RR moments (an int; None or "all": every position).
+    ``rr_prior`` / ``rr_gamma`` / ``rr_cap``: the ``rr`` rule's prior, exponent and
+    per-layer cap; ``force_projection``: ERK sets 1×1 shortcut convs to s = S.
+    ``alpha_cap``: CR's cap on α; ``recalibrate``: the BNs downstream of a pruned weight
+    ("affected") or "all".
+    """
+
+    keep_dense: tuple[str, ...] = ()
+    rr_images: int = 64
+    rr_positions: int | str | None = 16
+    rr_prior: str = "erk"
+    rr_gamma: float = 1.0
+    rr_cap: float = 0.99
+    force_projection: bool = False
+    alpha_cap: float = 100.0
+    recalibrate: str = "affected"
+
+    @classmethod
+    def take(cls, kwargs: dict) -> PrunerOptions:
+        """Remove this record's fields from ``kwargs`` (parsed CLI options) into a record."""
+        values = {f.name: kwargs.pop(f.name) for f in dataclasses.fields(cls) if f.name in kwargs}
+        if "keep_dense" in values:
+            values["keep_dense"] = tuple(values["keep_dense"])
+        return cls(**values)
+
+    def check(self) -> None:
+        """Raise OnnxDiagError for a value no verb can use (before any work)."""
+        from ..sparsity.allocation import PRIORS
+        from ..sparsity.repairability import parse_positions, positive_int
+
+        parse_positions(self.rr_positions)
+        positive_int(self.rr_images, f"rr_images must be a positive integer; got "
+                                     f"{self.rr_images!r}.")
+        if self.rr_prior not in PRIORS:
+            raise OnnxDiagError(f"Unknown RR prior {self.rr_prior!r}; choose one of "
+                                f"{', '.join(PRIORS)}.")
+        if self.recalibrate not in RECALIBRATE:
+            raise OnnxDiagError(f"Unknown recalibrate {self.recalibrate!r}; choose one of "
+                                f"{', '.join(RECALIBRATE)}.")
+
+    def params(self) -> dict:
+        """The record as report parameters (``rr_positions`` as an int or "all")."""
+        return {**dataclasses.asdict(self), "keep_dense": list(self.keep_dense),
+                "rr_positions": parse_positions_arg(self.rr_positions)}
+
+
+@dataclass
+class Inputs:
+    """The dense model and the data a pruning verb works on (see :func:`open_inputs`).
+
+    ``path``: the model as given; ``model``: loaded (never modified); ``calib``: the
+    calibration DataSource and ``feeds`` its samples in memory; ``evaluation``: the
+    labelled DataSource or None; ``layers``: the prunable layers (docs/METHODS.md §C1).
+    """
+
+    path: object
+    model: object
+    structure: object
+    specs: list | None
+    calib: object
+    feeds: list
+    evaluation: object | None
+    layers: list
+
+
+def open_inputs(model, data, eval_data=None, *, head: HeadChoice | None = None,
+                keep_dense=()) -> Inputs:
+    """Load ``model``, find its structure and open the data roles (requests or paths)."""
     from ..graph import analyze_structure
     from ..model.io import get_input_specs, load_model
+    from ..sparsity import find_prunable
     from ..sparsity.sweep import materialize
 
     if data is None:
         raise OnnxDiagError("Pruning needs unlabelled calibration images for the repair and "
                             "the agreement with the dense model; pass --data FILE.")
+    head = head or HeadChoice()
     m = load_model(model)
-    structure = analyze_structure(m, head=head, features=features)
+    structure = analyze_structure(m, head=head.head, features=head.features)
     specs = get_input_specs(m)
-    calib = open_source(data, specs, labels=labels, limit=limit, seed=seed, batch_size=batch_size)
-    return m, structure, specs, calib, materialize(calib)
+    calib = DataRequest.of(data).open(specs)
+    request = DataRequest.of(eval_data)
+    evaluation = None if request is None else request.open(specs)
+    return Inputs(model, m, structure, specs, calib, materialize(calib), evaluation,
+                  find_prunable(structure, keep_dense))
 
 
-def pruning_setup(model, *, eval_data, eval_labels, keep_dense, **setup):
-    """:func:`open_setup` plus the evaluation source (None without ``eval_data``) and the
-    prunable layers: (model, structure, specs, calibration, its feeds, evaluation,
-    layers)."""
-    from ..sparsity import find_prunable
-
-    m, structure, specs, calib, feeds = open_setup(model, **setup)
-    evaluation = None if eval_data is None else open_source(
-        eval_data, specs, labels=eval_labels, seed=setup["seed"],
-        batch_size=setup["batch_size"])
-    return m, structure, specs, calib, feeds, evaluation, find_prunable(structure, keep_dense)
-
-
-def compute_curves(m, layers, feeds, *, grid=None, n_images=64, positions=16, seed=0,
-            providers=None, progress=False, executor=None):
-    """RR curves on the first ``n_images`` calibration images, each conv's moments over
-    ``positions`` seeded output positions per image (None / "all": every position)."""
+def compute_curves(inputs: Inputs, options: PrunerOptions, *, seed=0, grid=None,
+                   providers=None, progress=False, executor=None):
+    """RR curves on the first ``rr_images`` calibration images, each conv's moments over
+    ``rr_positions`` seeded output positions per image (docs/METHODS.md §C2)."""
     from ..sparsity import DEFAULT_GRID, compute_rr_curves
     from ..sparsity.repairability import parse_positions
 
     grid = DEFAULT_GRID if grid is None else grid
-    positions = parse_positions(positions)
+    positions = parse_positions(options.rr_positions)
     where = "every position" if positions is None else f"{positions} positions per image"
-    say(progress, f"RR curves: {len(layers)} layers x {len(grid)} sparsities on "
-                   f"{n_images} calibration images, {where} (one capture pass)")
-    return compute_rr_curves(m, layers, feeds, grid=grid, n_images=n_images,
-                             positions=positions, seed=seed, providers=providers,
-                             executor=executor)
+    say(progress, f"RR curves: {len(inputs.layers)} layers x {len(grid)} sparsities on "
+                  f"{options.rr_images} calibration images, {where} (one capture pass)")
+    return compute_rr_curves(inputs.model, inputs.layers, inputs.feeds, grid=grid,
+                             n_images=options.rr_images, positions=positions, seed=seed,
+                             providers=providers, executor=executor)
 
 
-def make_pruner(m, structure, feeds, *, keep_dense, curves, rr_prior, rr_gamma, rr_cap,
-            force_projection, alpha_cap, recalibrate, providers):
+def make_pruner(inputs: Inputs, options: PrunerOptions, curves=None, providers=None):
+    """The :class:`~onnxdiag.sparsity.sweep.Pruner` of the dense model (rr rules need
+    ``curves``)."""
     from ..sparsity.sweep import Pruner
 
-    options = dict(prior=rr_prior, gamma=rr_gamma, cap=rr_cap, force_projection=force_projection)
-    return Pruner(m, structure, feeds, keep_dense=tuple(keep_dense), rr_curves=curves,
-                  options=options, alpha_cap=alpha_cap, recalibrate=recalibrate,
-                  providers=providers)
+    rule = dict(prior=options.rr_prior, gamma=options.rr_gamma, cap=options.rr_cap,
+                force_projection=options.force_projection)
+    return Pruner(inputs.model, inputs.structure, inputs.feeds, keep_dense=options.keep_dense,
+                  rr_curves=curves, options=rule, alpha_cap=options.alpha_cap,
+                  recalibrate=options.recalibrate, providers=providers)
+
+
+def open_fan_out(runtime):
+    """The executor of a fan-out verb (``with open_fan_out(runtime) as ex``): without
+    ``executor`` and ``jobs`` everything runs in this process; ``local`` alone uses one
+    worker process per core."""
+    from ..runtime.executor import open_executor
+
+    return open_executor(runtime.executor, runtime.jobs,
+                         local_jobs=1 if runtime.executor is None else None)
+
+
+def pruning_metadata(command: str, inputs: Inputs, options, *, runtime, head, data,
+                     eval_data=None, executor=None, **extra) -> dict:
+    """``metadata`` of a pruning verb: every option (defaults included), each data role's
+    request, the data sources by role and, for fan-out verbs, the executor."""
+    from ..model.io import model_hash
+    from ..report import build_metadata
+
+    params = {**dataclasses.asdict(options), "pruner": options.pruner.params(), **extra,
+              "data": DataRequest.of(data).params(),
+              "eval_data": None if eval_data is None else DataRequest.of(eval_data).params(),
+              "head": dataclasses.asdict(head), "providers": runtime.providers,
+              "defaults": DEFAULTS}
+    if executor is not None:
+        params.update(executor=runtime.executor_name(), jobs=runtime.jobs)
+    meta = build_metadata(command=command, parameters=params, model_path=inputs.path,
+                          model_hash=model_hash(inputs.model),
+                          data=describe_sources(calibration=inputs.calib,
+                                                evaluation=inputs.evaluation))
+    if executor is not None:
+        meta["executor"] = executor.describe()
+    return meta
+
+
+def protected_inputs(model, *requests) -> list:
+    """The input files an emitted model must never overwrite: the model and each data
+    role's source and labels."""
+    out = [model]
+    for request in requests:
+        request = DataRequest.of(request)
+        if request is not None:
+            out += [request.source, request.labels]
+    return [p for p in out if p is not None]
 
 
 def say(enabled: bool, line: str) -> None:
@@ -99,7 +216,7 @@ def cell_printer(enabled: bool):
 
     def show(cell, i, total):
         if cell.error:
-            what = f"skipped ({cell.error})"
+            what = f"{'FAILED' if cell.failed else 'skipped'} ({cell.error})"
         else:
             what = f"agreement {cell.agreement:.3f}"
             if cell.accuracy is not None:
@@ -121,7 +238,7 @@ def needs_rr(rules) -> bool:
     return any(r.startswith("rr") for r in rules)
 
 
-def every_layer_has_bn(structure, layers) -> bool:
+def every_layer_has_bn(layers) -> bool:
     convs = [la for la in layers if la.op_type == "Conv"]
     return bool(convs) and all(la.bn_node for la in convs)
 
@@ -150,16 +267,19 @@ def cts_text(tr: dict, all_bn: bool) -> list[str]:
     return [line] + ([f"note: {CTS_NOTE}"] if all_bn else [])
 
 
-@contextmanager
-def using(executor, jobs):
-    """The executor for ``executor`` (None: this process), closed afterwards if made here."""
-    from ..runtime.executor import open_executor
+def failure_lines(cells: list[dict]) -> list[str]:
+    """Text lines for the cells that could not run: units that failed, then (first 3)
+    the distinct reasons a rule could not meet its S."""
+    lines = [f"FAILED cell S={c['sparsity']:g} {c['allocation']} {c['repair']}: {c['error']}"
+             for c in cells if c.get("failed")]
+    skipped = sorted({c["error"] for c in cells if c["error"] and not c.get("failed")})
+    return lines + [f"skipped cells: {e}" for e in skipped[:3]]
 
-    if executor is None:
-        yield None
-        return
-    with open_executor(executor, jobs) as ex:
-        yield ex
+
+def failed_cells(cells: list[dict]) -> list[dict]:
+    """The section's ``failed`` list: cells whose unit of work failed."""
+    return [{k: c[k] for k in ("sparsity", "allocation", "repair", "error")}
+            for c in cells if c.get("failed")]
 
 
 def cell_value(cells, S, repair, key):

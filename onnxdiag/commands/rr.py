@@ -1,17 +1,19 @@
 """The ``rr`` verb: RR(layer, s) curves of every prunable layer and the label-free
-transition scan."""
+transition scan (docs/METHODS.md §C2, §C4)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import OnnxDiagError
-from ..report import SCHEMA_VERSION, build_metadata, render_table
-from .base import CommandResult, check_out, render_header
+from ..report import SCHEMA_VERSION, render_table
+from .base import CommandResult, HeadChoice, ReportTarget, Runtime, render_header
 from .pruning import (
     DEFAULT_BAND,
-    DEFAULTS,
     TABLE_SPARSITIES,
+    Inputs,
+    PrunerOptions,
     band_text,
     cell_printer,
     cell_value,
@@ -20,85 +22,95 @@ from .pruning import (
     cts_text,
     curves_csv,
     every_layer_has_bn,
+    failed_cells,
+    failure_lines,
     finish_files,
     make_pruner,
-    open_setup,
-    parse_positions_arg,
-    using,
+    open_fan_out,
+    open_inputs,
+    pruning_metadata,
 )
 
+#: The repairs of the label-free scan: the band's, and CTS's baseline (docs/METHODS.md §C4).
+SCAN_REPAIRS = ("cr+bn", "bn")
 
-def rr_report(model, *, executor=None, jobs=None, **kwargs) -> CommandResult:
-    """RR curves per prunable layer and the predicted transition band (``onnxdiag rr``).
 
-    Parameters as :func:`_rr_report`; ``executor`` (``local``, ``ray``, ``ray=HOST:PORT``
-    or an Executor; default this process): one unit per layer for the RR curves and one
-    per cell for the label-free scan.
+@dataclass(frozen=True)
+class RROptions:
+    """Options of ``onnxdiag rr``.
+
+    ``grid``: RR sparsities ("0:0.9:0.05,0.91:0.99:0.01" or a list; None: the 28 points of
+    docs/METHODS.md §C2). ``band_sparsity``: global sparsities of the label-free scan (None
+    or "none": no scan), each pruned with ``allocation`` and repaired with CR+BN and
+    BN-only. ``seed``: the RR position draw. ``pruner``: the options shared with prune and
+    sweep.
     """
-    with using(executor, jobs) as ex:
-        return _rr_report(model, ex=ex, **kwargs)
+
+    grid: str | tuple | None = None
+    band_sparsity: str | tuple | None = DEFAULT_BAND
+    allocation: str = "rr"
+    seed: int = 0
+    pruner: PrunerOptions = PrunerOptions()
+
+    def grids(self) -> tuple:
+        """(RR grid or None, scan grid or None), checked (OnnxDiagError)."""
+        from ..sparsity import RULES
+        from ..sparsity.sweep import parse_sparsity_grid
+
+        if self.allocation not in RULES:
+            raise OnnxDiagError(f"Unknown allocation {self.allocation!r}; choose from "
+                                f"{', '.join(RULES)}.")
+        self.pruner.check()
+        rr_grid = None if self.grid is None else parse_sparsity_grid(self.grid)
+        none = self.band_sparsity is None or str(self.band_sparsity).strip() == "none"
+        return rr_grid, None if none else parse_sparsity_grid(self.band_sparsity)
 
 
-def _rr_report(model, *, ex=None, data, labels=None, grid=None, rr_images=64, rr_positions=16,
-              band_sparsity=DEFAULT_BAND,
-              allocation="rr", keep_dense=(), rr_prior="erk", rr_gamma=1.0, rr_cap=0.99,
-              force_projection=False, alpha_cap=100.0, recalibrate="affected", limit=None,
-              seed=0, batch_size=64, providers=None, head=None, features=None, out=None,
-              overwrite=False, write=True, progress=True) -> CommandResult:
+def rr_report(model, *, data, options: RROptions = RROptions(),
+              head: HeadChoice = HeadChoice(),  # noqa: B008 - frozen records
+              runtime: Runtime = Runtime(),  # noqa: B008
+              report: ReportTarget = ReportTarget(),  # noqa: B008
+              ) -> CommandResult:
     """RR curves per prunable layer and the predicted transition band (``onnxdiag rr``).
 
-    ``grid``: RR sparsities (default SPEC C2's 28 points); ``band_sparsity``: global
-    sparsities of the label-free scan (None or "none": no scan), each pruned with
-    ``allocation`` and repaired with CR+BN and BN-only. ``rr_positions``: conv output
-    positions per image sampled (with ``seed``) for the RR moments, or "all" / None (exact).
+    ``data``: calibration data (a :class:`~onnxdiag.commands.base.DataRequest` or a path).
+    ``runtime.executor`` (``local``, ``ray``, ``ray=HOST:PORT`` or an Executor; default
+    this process): one unit per layer for the RR curves and one per cell for the scan.
     Writes report.json, report.txt, rr_curves.csv and (with the scan) transition.csv.
     """
-    from ..model.io import model_hash
-    from ..sparsity import RULES, find_prunable
-    from ..sparsity.sweep import parse_sparsity_grid, run_sweep, transition_summary
-
-    folder = check_out(out, "rr", overwrite, write)
-    rr_grid = None if grid is None else parse_sparsity_grid(grid)
-    band = None if band_sparsity in (None, "none") else parse_sparsity_grid(band_sparsity)
-    if allocation not in RULES:
-        raise OnnxDiagError(f"Unknown allocation {allocation!r}; choose from {', '.join(RULES)}.")
-    m, structure, _, calib, feeds = open_setup(model, data=data, labels=labels, limit=limit,
-                                           seed=seed, batch_size=batch_size, head=head,
-                                           features=features)
-    layers = find_prunable(structure, keep_dense)
-    curves = compute_curves(m, layers, feeds, grid=rr_grid, n_images=rr_images,
-                     positions=rr_positions, seed=seed, providers=providers,
-                     progress=progress, executor=ex)
-    section = {"curves": curves.to_dict(), "layers": _layer_rows(curves, layers),
-               "keep_dense": list(keep_dense), "transition": None}
-    methods = ["cr+bn", "bn"]
-    if band is not None:
-        pruner = make_pruner(m, structure, feeds, keep_dense=keep_dense, curves=curves,
-                         rr_prior=rr_prior, rr_gamma=rr_gamma, rr_cap=rr_cap,
-                         force_projection=force_projection, alpha_cap=alpha_cap,
-                         recalibrate=recalibrate, providers=providers)
-        cells = run_sweep(pruner, band, [allocation], methods,
-                          on_cell=cell_printer(progress), executor=ex)
-        section["transition"] = {**transition_summary(cells, allocation, methods),
-                                 "n_images": pruner.n_images,
-                                 "cells": [c.to_dict() for c in cells],
-                                 "all_convs_feed_bn": every_layer_has_bn(structure, layers)}
-    params = dict(data=data, labels=labels, grid=list(curves.grid), rr_images=rr_images,
-                  rr_positions=parse_positions_arg(rr_positions),
-                  band_sparsity=None if band is None else list(band), allocation=allocation,
-                  keep_dense=list(keep_dense), rr_prior=rr_prior, rr_gamma=rr_gamma,
-                  rr_cap=rr_cap, force_projection=force_projection, alpha_cap=alpha_cap,
-                  recalibrate=recalibrate, limit=limit, seed=seed, batch_size=batch_size,
-                  providers=providers, head=head, features=features, defaults=DEFAULTS)
-    meta = build_metadata(command="rr", parameters=params, model_path=model,
-                          model_hash=model_hash(m), data={"calibration": calib.describe()})
-    meta["executor"] = ex.describe() if ex is not None else {"kind": "in-process"}
-    report = {"schema": SCHEMA_VERSION, "metadata": meta, "repairability": section}
+    rr_grid, band = options.grids()
+    folder = report.folder("rr")
+    inputs = open_inputs(model, data, head=head, keep_dense=options.pruner.keep_dense)
+    with open_fan_out(runtime) as ex:
+        curves = compute_curves(inputs, options.pruner, seed=options.seed, grid=rr_grid,
+                                providers=runtime.providers, progress=runtime.progress,
+                                executor=ex)
+        section = {"curves": curves.to_dict(), "layers": _layer_rows(curves, inputs.layers),
+                   "keep_dense": list(options.pruner.keep_dense), "transition": None}
+        if band is not None:
+            section["transition"] = _scan(inputs, options, curves, band, runtime, ex)
+        meta = pruning_metadata("rr", inputs, options, runtime=runtime, head=head, data=data,
+                                executor=ex, grid=list(curves.grid),
+                                band_sparsity=None if band is None else list(band))
+    doc = {"schema": SCHEMA_VERSION, "metadata": meta, "repairability": section}
     text = render_header(meta) + render_rr(section)
     files = {"rr_curves.csv": curves_csv(curves)}
     if section["transition"]:
         files["transition.csv"] = cells_csv(section["transition"]["cells"])
-    return finish_files("rr", report, text, folder, overwrite, files, "rr_curves.csv")
+    return finish_files("rr", doc, text, folder, report.overwrite, files, "rr_curves.csv")
+
+
+def _scan(inputs: Inputs, options: RROptions, curves, band, runtime, ex) -> dict:
+    """The label-free transition scan: ``band`` × ``allocation`` × CR+BN / BN-only."""
+    from ..sparsity.sweep import run_sweep, transition_summary
+
+    pruner = make_pruner(inputs, options.pruner, curves, runtime.providers)
+    cells = run_sweep(pruner, band, [options.allocation], list(SCAN_REPAIRS),
+                      on_cell=cell_printer(runtime.progress), executor=ex)
+    rows = [c.to_dict() for c in cells]
+    return {**transition_summary(cells, options.allocation, list(SCAN_REPAIRS)),
+            "n_images": pruner.n_images, "cells": rows, "failed": failed_cells(rows),
+            "all_convs_feed_bn": every_layer_has_bn(inputs.layers)}
 
 
 def _layer_rows(curves, layers) -> list[dict]:
@@ -124,7 +136,7 @@ def render_rr(section: dict) -> str:
             for r in section["layers"]]
     pos = c.get("positions")
     where = "every position" if pos is None else f"{pos} conv positions per image"
-    lines = [f"== Relative repairability (SPEC C2), {len(c['layers'])} layers, "
+    lines = [f"== Relative repairability (docs/METHODS.md §C2), {len(c['layers'])} layers, "
              f"{len(c['grid'])} sparsities, {c['n_images']} calibration images, {where} ==",
              render_table(rows).rstrip(),
              "RR = D_repair / D_raw: low = the damage is mostly a per-channel scale/shift that "
@@ -136,12 +148,12 @@ def render_rr(section: dict) -> str:
         trows = [{"S": S, "Agr CR+BN": cell_value(cells, S, "cr+bn", "agreement"),
                   "Agr BN": cell_value(cells, S, "bn", "agreement"), "CTS": cts_vals.get(S)}
                  for S in sorted({k[0] for k in cells})]
-        lines += ["", f"== Label-free transition (SPEC C4), allocation {tr['allocation']}, "
-                      f"{tr['n_images']} calibration images ==", render_table(trows).rstrip(),
+        lines += ["", f"== Label-free transition (docs/METHODS.md §C4), allocation "
+                      f"{tr['allocation']}, {tr['n_images']} calibration images ==",
+                  render_table(trows).rstrip(),
                   band_text(tr["band"], "predicted transition band")]
         lines += cts_text(tr, tr.get("all_convs_feed_bn", False))
-        errors = sorted({c_["error"] for c_ in tr["cells"] if c_["error"]})
-        lines += [f"skipped: {e}" for e in errors[:3]]
+        lines += failure_lines(tr["cells"])
     return "\n".join(lines) + "\n"
 
 
@@ -160,18 +172,19 @@ def repairability_section(model, source, *, structure=None, sparsities=(0.5, 0.9
     """
     from ..graph import analyze_structure
     from ..model.io import load_model
-    from ..sparsity import find_prunable
-    from ..sparsity.sweep import materialize, run_sweep, transition_summary
+    from ..sparsity import DEFAULT_GRID, find_prunable
+    from ..sparsity.sweep import materialize
 
     m = load_model(model) if isinstance(model, (str, Path)) else model
     structure = structure or analyze_structure(m)
     layers = find_prunable(structure, keep_dense)
-    feeds = materialize(source, n_images)
-    curves = compute_curves(m, layers, feeds, grid=sorted(set(_rr_grid()) | set(sparsities)),
-                     n_images=n_images, positions=positions, providers=providers)
-    pruner = make_pruner(m, structure, feeds, keep_dense=keep_dense, curves=curves,
-                     rr_prior="erk", rr_gamma=1.0, rr_cap=0.99, force_projection=False,
-                     alpha_cap=100.0, recalibrate="affected", providers=providers)
+    inputs = Inputs(model, m, structure, None, source, materialize(source, n_images), None,
+                    layers)
+    options = PrunerOptions(keep_dense=tuple(keep_dense), rr_images=n_images,
+                            rr_positions=positions)
+    curves = compute_curves(inputs, options, grid=sorted(set(DEFAULT_GRID) | set(sparsities)),
+                            providers=providers)
+    pruner = make_pruner(inputs, options, curves, providers)
     alloc = pruner.allocate("rr", target)
     rows = [{"layer": name, "weights": curves.n_weights[i],
              **{f"RR {s:g}": curves.rr_at(name, s) for s in sparsities},
@@ -179,25 +192,25 @@ def repairability_section(model, source, *, structure=None, sparsities=(0.5, 0.9
              f"rr s@{target:g}": alloc.sparsity[name]} for i, name in enumerate(curves.layers)]
     section = {"rows": rows, "target": target, "n_images": pruner.n_images,
                "allocation": alloc.to_dict(), "transition": None}
-    lines = [f"== Repairability (SPEC C2-C4), {pruner.n_images} calibration images ==",
-             render_table(rows).rstrip(),
+    lines = [f"== Repairability (docs/METHODS.md §C2-§C4), {pruner.n_images} calibration "
+             "images ==", render_table(rows).rstrip(),
              f"suggested allocation at S = {target:g}: rr (RR-modulated ERK), columns above"]
     if transition_grid:
-        methods = ["cr+bn", "bn"]
-        cells = run_sweep(pruner, list(transition_grid), ["rr"], methods)
-        tr = transition_summary(cells, "rr", methods)
-        tr["cells"] = [c.to_dict() for c in cells]
-        section["transition"] = tr
-        lines.append(band_text(tr["band"], "predicted transition band"))
-        end = (tr["band"] or {}).get("end")
-        if end is not None and end < target:
-            lines.append(f"note: S = {target:g} lies beyond the predicted band (agreement with "
-                         f"the dense model < 0.5 from S = {end:.3g}): expect a collapse there.")
-        lines += cts_text(tr, every_layer_has_bn(structure, layers))
+        section["transition"], more = _analyze_scan(pruner, transition_grid, target, layers)
+        lines += more
     return section, "\n".join(lines) + "\n"
 
 
-def _rr_grid():
-    from ..sparsity import DEFAULT_GRID
+def _analyze_scan(pruner, grid, target, layers) -> tuple[dict, list[str]]:
+    """analyze's label-free scan of ``rr`` + CR+BN / BN-only: (section, text lines)."""
+    from ..sparsity.sweep import run_sweep, transition_summary
 
-    return DEFAULT_GRID
+    cells = run_sweep(pruner, list(grid), ["rr"], list(SCAN_REPAIRS))
+    tr = transition_summary(cells, "rr", list(SCAN_REPAIRS))
+    tr["cells"] = [c.to_dict() for c in cells]
+    lines = [band_text(tr["band"], "predicted transition band")]
+    end = (tr["band"] or {}).get("end")
+    if end is not None and end < target:
+        lines.append(f"note: S = {target:g} lies beyond the predicted band (agreement with "
+                     f"the dense model < 0.5 from S = {end:.3g}): expect a collapse there.")
+    return tr, lines + cts_text(tr, every_layer_has_bn(layers))

@@ -1,100 +1,110 @@
-"""The ``sweep`` verb: agreement / accuracy over sparsity × allocation × repair, with the bands."""
+"""The ``sweep`` verb: agreement / accuracy over sparsity × allocation × repair, with the
+label-free bands (docs/METHODS.md §C3, §C4)."""
 
 from __future__ import annotations
 
-from ..report import SCHEMA_VERSION, build_metadata, render_table
-from .base import CommandResult, check_out, render_header
+from dataclasses import dataclass
+
+from ..errors import OnnxDiagError
+from ..report import SCHEMA_VERSION, render_table
+from .base import CommandResult, DataRequest, HeadChoice, ReportTarget, Runtime, render_header
 from .pruning import (
     CTS_NOTE,
-    DEFAULTS,
+    PrunerOptions,
     band_text,
     cell_printer,
     cells_csv,
     compute_curves,
     cts_text,
     every_layer_has_bn,
+    failed_cells,
+    failure_lines,
     finish_files,
     make_pruner,
     needs_rr,
-    parse_positions_arg,
-    pruning_setup,
+    open_fan_out,
+    open_inputs,
+    pruning_metadata,
     say,
-    using,
 )
 
 
-def sweep_report(model, *, executor=None, jobs=None, **kwargs) -> CommandResult:
+@dataclass(frozen=True)
+class SweepOptions:
+    """Options of ``onnxdiag sweep``.
+
+    ``sparsity``: the grid, e.g. "0.90:0.97:0.005" or "0.5,0.9" (required).
+    ``allocations``: comma list or "all" (every rule, rr-greedy / rr-marginal included);
+    ``repairs``: comma list. ``seed``: the RR position draw. ``pruner``: the options
+    shared with rr and prune.
+    """
+
+    sparsity: str | tuple | None = None
+    allocations: str | tuple = "all"
+    repairs: str | tuple = "cr+bn,bn,none"
+    seed: int = 0
+    pruner: PrunerOptions = PrunerOptions()
+
+    def choices(self) -> tuple[tuple, list, list]:
+        """(grid, allocations, repairs), checked (OnnxDiagError)."""
+        from ..sparsity import METHODS, RULES
+        from ..sparsity.sweep import parse_choices, parse_sparsity_grid
+
+        if self.sparsity is None:
+            raise OnnxDiagError("sweep needs a sparsity grid: give --sparsity, e.g. "
+                                "0.90:0.97:0.005 or 0.5,0.9,0.95.")
+        grid = parse_sparsity_grid(self.sparsity)
+        rules = parse_choices(self.allocations, RULES, "allocation")
+        methods = parse_choices(self.repairs, METHODS, "repair")
+        self.pruner.check()
+        return grid, rules, methods
+
+
+def sweep_report(model, *, data, eval_data=None, options: SweepOptions = SweepOptions(),
+                 head: HeadChoice = HeadChoice(),  # noqa: B008 - frozen records
+                 runtime: Runtime = Runtime(),  # noqa: B008
+                 report: ReportTarget = ReportTarget(),  # noqa: B008
+                 ) -> CommandResult:
     """Accuracy / agreement table over sparsity × allocation × repair (``onnxdiag sweep``).
 
-    Parameters as :func:`_sweep_report`; ``executor`` (``local`` with ``jobs`` worker
-    processes, ``ray``, ``ray=HOST:PORT`` or an Executor; default this process): one unit
-    per cell and per RR layer.
+    ``data``: calibration data, ``eval_data``: labelled evaluation data or None (requests
+    or paths). RR curves are computed once. ``runtime.executor`` (None: this process;
+    ``local`` with ``jobs`` worker processes, ``ray``, ``ray=HOST:PORT`` or an Executor):
+    one unit per cell and per RR layer. Writes report.json, report.txt and sweep.csv.
     """
-    with using(executor, jobs) as ex:
-        return _sweep_report(model, ex=ex, executor=executor, jobs=jobs, **kwargs)
-
-
-def _sweep_report(model, *, ex=None, sparsity, allocations="all", repairs="cr+bn,bn,none", data,
-                 labels=None, eval_data=None, eval_labels=None, keep_dense=(), rr_images=64,
-                 rr_positions=16, rr_prior="erk", rr_gamma=1.0, rr_cap=0.99, force_projection=False,
-                 alpha_cap=100.0, recalibrate="affected", limit=None, seed=0, batch_size=64,
-                 providers=None, head=None, features=None, executor=None, jobs=None,
-                 out=None, overwrite=False, write=True, progress=True) -> CommandResult:
-    """Accuracy / agreement table over sparsity × allocation × repair (``onnxdiag sweep``).
-
-    ``sparsity``: a grid such as ``"0.90:0.97:0.005"``; ``allocations``: comma list or
-    ``"all"`` (every rule, rr-greedy / rr-marginal included); ``repairs``: comma list.
-    RR curves are computed once. Writes report.json, report.txt and sweep.csv.
-    ``executor``: None (this process), ``local`` (``jobs`` worker processes), ``ray`` or
-    ``ray=HOST:PORT`` (one Ray task per cell), or an :class:`~onnxdiag.executor.Executor`.
-    """
-    from ..model.io import model_hash
-    from ..sparsity import METHODS, RULES
-    from ..sparsity.sweep import parse_choices, parse_sparsity_grid, run_sweep
-
-    grid = parse_sparsity_grid(sparsity)
-    rules = parse_choices(allocations, RULES, "allocation")
-    methods = parse_choices(repairs, METHODS, "repair")
-    folder = check_out(out, "sweep", overwrite, write)
-    m, structure, specs, calib, feeds, evaluation, layers = pruning_setup(
-        model, data=data, labels=labels, limit=limit, seed=seed, batch_size=batch_size,
-        head=head, features=features, eval_data=eval_data, eval_labels=eval_labels,
-        keep_dense=keep_dense)
-    curves = compute_curves(m, layers, feeds, n_images=rr_images, positions=rr_positions, seed=seed,
-                     providers=providers, progress=progress,
-                     executor=ex) if needs_rr(rules) else None
-    pruner = make_pruner(m, structure, feeds, keep_dense=keep_dense, curves=curves,
-                     rr_prior=rr_prior, rr_gamma=rr_gamma, rr_cap=rr_cap,
-                     force_projection=force_projection, alpha_cap=alpha_cap,
-                     recalibrate=recalibrate, providers=providers)
-    _, dense_eval = pruner.measure(m, evaluation)
-    say(progress, f"Sweep: {len(grid)} sparsities x {len(rules)} allocations x "
-                   f"{len(methods)} repairs on {pruner.n_images} calibration images")
-    cells = run_sweep(pruner, grid, rules, methods, eval_source=evaluation,
-                      on_cell=cell_printer(progress), executor=ex)
-    ran_on = ex.describe() if ex is not None else {"kind": "in-process"}
+    grid, rules, methods = options.choices()
+    folder = report.folder("sweep")
+    inputs = open_inputs(model, data, eval_data, head=head,
+                         keep_dense=options.pruner.keep_dense)
+    with open_fan_out(runtime) as ex:
+        curves = None if not needs_rr(rules) else compute_curves(
+            inputs, options.pruner, seed=options.seed, providers=runtime.providers,
+            progress=runtime.progress, executor=ex)
+        pruner = make_pruner(inputs, options.pruner, curves, runtime.providers)
+        _, dense_eval = pruner.measure(inputs.model, inputs.evaluation)
+        say(runtime.progress, f"Sweep: {len(grid)} sparsities x {len(rules)} allocations x "
+                              f"{len(methods)} repairs on {pruner.n_images} calibration images")
+        cells = run_cells(pruner, grid, rules, methods, inputs, eval_data, runtime, ex)
+        meta = pruning_metadata("sweep", inputs, options, runtime=runtime, head=head,
+                                data=data, eval_data=eval_data, executor=ex,
+                                sparsity=list(grid), allocations=rules, repairs=methods)
     section = summarize_sweep(cells, grid, rules, methods, dense_eval=dense_eval,
-                              all_bn=every_layer_has_bn(structure, layers))
+                              all_bn=every_layer_has_bn(inputs.layers))
     section["n_images"] = pruner.n_images
     section["rr_curves"] = None if curves is None else curves.to_dict()
-    params = dict(sparsity=list(grid), allocations=rules, repairs=methods, data=data,
-                  labels=labels, eval_data=eval_data, eval_labels=eval_labels,
-                  keep_dense=list(keep_dense), rr_images=rr_images,
-                  rr_positions=parse_positions_arg(rr_positions), rr_prior=rr_prior,
-                  rr_gamma=rr_gamma, rr_cap=rr_cap, force_projection=force_projection,
-                  alpha_cap=alpha_cap, recalibrate=recalibrate, limit=limit, seed=seed,
-                  batch_size=batch_size, providers=providers, head=head, features=features,
-                  executor=None if executor is None else str(executor), jobs=jobs,
-                  defaults=DEFAULTS)
-    meta = build_metadata(command="sweep", parameters=params, model_path=model,
-                          model_hash=model_hash(m),
-                          data={"calibration": calib.describe(),
-                                "eval": evaluation.describe() if evaluation else None})
-    meta["executor"] = ran_on
-    report = {"schema": SCHEMA_VERSION, "metadata": meta, "sweep": section}
+    doc = {"schema": SCHEMA_VERSION, "metadata": meta, "sweep": section}
     text = render_header(meta) + render_sweep(section)
-    return finish_files("sweep", report, text, folder, overwrite,
-                         {"sweep.csv": cells_csv(section["cells"])}, "sweep.csv")
+    return finish_files("sweep", doc, text, folder, report.overwrite,
+                        {"sweep.csv": cells_csv(section["cells"])}, "sweep.csv")
+
+
+def run_cells(pruner, grid, rules, methods, inputs, eval_data, runtime, ex) -> list:
+    """The sweep's cells (:func:`~onnxdiag.sparsity.sweep.run_sweep`) with progress lines."""
+    from ..sparsity.sweep import run_sweep
+
+    return run_sweep(pruner, grid, rules, methods, eval_source=inputs.evaluation,
+                     eval_request=DataRequest.of(eval_data), on_cell=cell_printer(
+                         runtime.progress), executor=ex)
 
 
 def summarize_sweep(cells, grid, rules, methods, *, dense_eval=None, all_bn=False) -> dict:
@@ -118,7 +128,8 @@ def summarize_sweep(cells, grid, rules, methods, *, dense_eval=None, all_bn=Fals
             "repairs": list(methods), "dense": dense_eval,
             "cells": [c.to_dict() for c in cells],
             "transitions": {r: transition_summary(cells, r, methods) for r in rules},
-            "wins": wins, "rr_versus": versus, "all_convs_feed_bn": all_bn}
+            "wins": wins, "rr_versus": versus, "all_convs_feed_bn": all_bn,
+            "failed": failed_cells([c.to_dict() for c in cells])}
 
 
 def _differences(cells, a, b, method, metric, grid) -> dict:
@@ -157,7 +168,7 @@ def render_sweep(section: dict) -> str:
                             for r in rules}} for S in section["grid"]]
         lines += [render_table(rows, title=f"== agreement % with the dense model, repair "
                                             f"{section['repairs'][0]} (label-free) ==").rstrip()]
-    lines += ["", f"== Label-free transition bands (SPEC C4), {section['n_images']} "
+    lines += ["", f"== Label-free transition bands (docs/METHODS.md §C4), {section['n_images']} "
                   "calibration images =="]
     for r in rules:
         tr = section["transitions"][r]
@@ -180,8 +191,7 @@ def render_sweep(section: dict) -> str:
             lines.append(f"{name.replace('-', ' - ')} ({method}): better at "
                          f"{_fmt_ranges(d['better_ranges']) or 'no S'}; largest gain "
                          f"{100 * best[1]:+.2f} pp at S = {float(best[0]):g}")
-    errors = sorted({c["error"] for c in section["cells"] if c["error"]})
-    lines += [f"skipped cells: {e}" for e in errors[:3]]
+    lines += failure_lines(section["cells"])
     return "\n".join(lines) + "\n"
 
 

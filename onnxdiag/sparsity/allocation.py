@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import OnnxDiagError
-from ..graph._records import jsonable
+from ..report.json import to_jsonable as jsonable
 from .budget import LayerInfo, exact_fraction, prune_count, round_counts
 from .masks import check_layer_names, magnitude_order
 

@@ -118,3 +118,121 @@ def round_counts(real: np.ndarray, upper: np.ndarray, total: int) -> np.ndarray:
         k[i] += move
         need -= move
     return k
+
+
+def count_sparsity(k: int, n: int) -> float:
+    """The shortest decimal ``s`` with ``prune_count(n, s) == k`` (``0 ≤ k ≤ n``), as a
+    float that prints as that decimal: a sparsity that prunes exactly ``k`` of ``n``."""
+    if not 0 <= k <= n or n <= 0:
+        raise ValueError(f"k={k} outside [0, n={n}]")
+    digits = 0
+    while True:
+        scale = 10 ** digits
+        d = Fraction(math.ceil(Fraction(k * scale, n)), scale)
+        if d * n < k + 1:  # ⌊d·n⌋ = k (d ≥ k/n by construction)
+            return float(d)
+        digits += 1
+
+
+@dataclass(frozen=True)
+class ModelBudget:
+    """A global sparsity S of the whole model, placed on the layers the pruner supports.
+
+    Fields:
+        target: S, a fraction of every conv / linear weight the model computes with.
+        n_model: N, those weights; n_supported: the weights of the layers the pruner
+            supports (Conv and the head, docs/METHODS.md §C1), kept-dense ones included;
+            n_dense: of those, the weights of the layers kept dense.
+        n_pruned: ⌊S·N⌋, exactly.
+        sparsity_supported: S' with ⌊S'·n_supported⌋ = n_pruned (S itself when every layer
+            is supported): the budget the allocation spreads over the supported layers.
+        unsupported: ``{layer, op_type, n_weights, reason}`` of every other layer.
+    """
+
+    target: float
+    n_model: int
+    n_supported: int
+    n_dense: int
+    n_pruned: int
+    sparsity_supported: float
+    unsupported: tuple = ()
+
+    @property
+    def room(self) -> int:
+        """Weights the supported layers that are not kept dense can give."""
+        return self.n_supported - self.n_dense
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["unsupported"] = [dict(u) for u in self.unsupported]  # copies
+        return d
+
+
+def plan_model_budget(S: float, layers, supported, keep_dense=()) -> ModelBudget:
+    """The budget of ``S`` over the whole model (docs/METHODS.md §C3: S is a fraction of every
+    conv / linear weight).
+
+    ``layers``: every weighted layer of the model (:class:`~onnxdiag.graph.Layer` records
+    of ``structure.layers``); ``supported``: those the pruner edits
+    (:func:`~onnxdiag.sparsity.find_prunable`); ``keep_dense``: names among them left dense.
+
+    Raises:
+        OnnxDiagError: no supported layer; S > 0 can only reach the head while other
+            layers are not prunable yet; or ⌊S·N⌋ exceeds what the supported layers not
+            kept dense hold.
+    """
+    if not supported:
+        raise OnnxDiagError("The model has no prunable layer (Conv, or a Gemm / MatMul "
+                            "head); `onnxdiag inspect MODEL` shows its layers.")
+    names = {la.node_name for la in supported}
+    size = {la.node_name: int(np.prod(la.weight_shape)) for la in layers}
+    others = tuple({"layer": la.node_name, "op_type": la.op_type,
+                    "n_weights": size[la.node_name], "reason": _why_unsupported(la)}
+                   for la in layers if la.node_name not in names)
+    n_sup = sum(int(np.prod(la.weight_shape)) for la in supported)
+    n_dense = sum(int(np.prod(la.weight_shape)) for la in supported
+                  if la.node_name in set(keep_dense))
+    n_model = n_sup + sum(o["n_weights"] for o in others)
+    k = prune_count(n_model, S)
+    budget = ModelBudget(float(S), n_model, n_sup, n_dense, k,
+                         float(S) if not others else count_sparsity(min(k, n_sup), n_sup),
+                         others)
+    open_layers = [la for la in supported if la.node_name not in set(keep_dense)]
+    if others and k > 0 and open_layers and all(la.is_head for la in open_layers):
+        raise OnnxDiagError(_head_only_message(budget, open_layers[0], others))
+    if k > budget.room:
+        raise OnnxDiagError(_unmet_message(budget, others))
+    return budget
+
+
+def _why_unsupported(layer) -> str:
+    if layer.note and "not supported for pruning" in layer.note:
+        return [p for p in layer.note.split("; ") if "not supported" in p][0]
+    if layer.op_type in ("Gemm", "MatMul"):
+        return "linear layers other than the head are not prunable yet"
+    return f"{layer.op_type} is not prunable"
+
+
+def _layer_list(others) -> str:
+    shown = ", ".join(f"{o['op_type']} {o['layer']!r} with {o['n_weights']:,} weights"
+                      for o in others[:3])
+    return shown + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+
+
+def _head_only_message(budget: ModelBudget, head, others) -> str:
+    n_head = int(np.prod(head.weight_shape))
+    return (f"Sparsity {budget.target:g} asks for {budget.n_pruned:,} of the model's "
+            f"{budget.n_model:,} conv/linear weights, but only the head {head.node_name!r} "
+            f"({n_head:,} weights) can be pruned: {others[0]['reason']} "
+            f"({_layer_list(others)}). Nothing was pruned; `onnxdiag inspect MODEL` lists "
+            "the layers.")
+
+
+def _unmet_message(budget: ModelBudget, others) -> str:
+    most = math.floor(1000 * budget.room / budget.n_model) / 1000
+    where = f"; not prunable: {_layer_list(others)}" if others else ""
+    dense = f", {budget.n_dense:,} more kept dense" if budget.n_dense else ""
+    return (f"Sparsity {budget.target:g} asks for {budget.n_pruned:,} of the model's "
+            f"{budget.n_model:,} conv/linear weights, but the layers that can be pruned "
+            f"hold {budget.room:,}{dense}{where}. Give a sparsity of at most {most:g}"
+            + (" or keep fewer layers dense." if budget.n_dense else "."))

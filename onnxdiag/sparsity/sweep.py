@@ -130,19 +130,6 @@ def run_logits(runner: OrtRunner, head, batches: Iterable[dict]) -> np.ndarray:
     return np.concatenate([np.asarray(p, np.float64).reshape(p.shape[0], -1) for p in parts])
 
 
-def evaluate_logits(runner: OrtRunner, head, source) -> dict:
-    """Top-1 accuracy and cross-entropy on a labelled DataSource (streamed)."""
-    from ..evaluate import EvalAccumulator
-
-    if not source.has_labels:
-        raise DataError("--eval-data has no labels; evaluation needs labelled data (an npz "
-                        "with a 'labels' key, --eval-labels FILE, or class sub-folders).")
-    acc = EvalAccumulator()
-    for batch in source.batches():
-        acc.update(run_logits(runner, head, [batch.feeds]), batch.labels)
-    return acc.result().to_dict()
-
-
 @dataclass
 class Pruner:
     """A dense model prepared for pruning (never modified).
@@ -207,17 +194,21 @@ class Pruner:
         return float(np.mean(self.logits(model, runner).argmax(axis=1) == self.dense_pred))
 
     def measure(self, model, eval_source=None) -> tuple[float, dict | None]:
-        """(agreement on the calibration set, accuracy / loss on ``eval_source`` or None)."""
-        runner = logits_runner(model, self.head, providers=self.providers,
-                               threads=self.threads)
-        ev = None if eval_source is None else evaluate_logits(runner, self.head, eval_source)
-        return self.agreement(model, runner), ev
+        """(agreement on the calibration set, accuracy / loss on the labelled
+        ``eval_source`` or None; :func:`onnxdiag.evaluate.evaluate`)."""
+        from ..evaluate import evaluate, make_head_runner
+
+        runner = make_head_runner(model, self.head, providers=self.providers,
+                                  threads=self.threads)
+        ev = evaluate(runner, self.head, eval_source)
+        return self.agreement(model, runner), None if ev is None else ev.to_dict()
 
 
 @dataclass(frozen=True)
 class SweepCell:
     """One (S, allocation, repair) of a sweep; ``error`` is set when the rule cannot meet S
-    (the other fields are then None).  ``layer_sparsity``: the allocation per layer."""
+    or (``failed``) the cell's unit of work failed; the other fields are then None.
+    ``layer_sparsity``: the allocation per layer."""
 
     sparsity: float
     allocation: str
@@ -228,24 +219,25 @@ class SweepCell:
     seconds: float = 0.0
     error: str | None = None
     layer_sparsity: dict | None = None
+    failed: bool = False
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
 
 
-class _Batches:
-    """Labelled batches held in memory (what a worker gets instead of a data source)."""
-
-    def __init__(self, batches: list):
-        self._batches = batches
-        self.has_labels = all(b.labels is not None for b in batches)
-
-    def batches(self):
-        return iter(self._batches)
+def _measured(key: tuple, alloc, model, pruner: Pruner, eval_source, seconds: float
+              ) -> SweepCell:
+    agr, ev = pruner.measure(model, eval_source)
+    return SweepCell(float(key[0]), key[1], key[2], agreement=agr,
+                     accuracy=None if ev is None else ev["accuracy"],
+                     loss=None if ev is None else ev["loss"], seconds=seconds,
+                     layer_sparsity=dict(alloc.sparsity))
 
 
-def _sweep_cell(key: tuple, pruner: Pruner, eval_batches) -> SweepCell:
+def _sweep_cell(key: tuple, pruner: Pruner, shipped_eval, specs) -> SweepCell:
     """One (S, rule, method) cell, self-contained (the unit of work of an executor)."""
+    from ..runtime.executor import receive
+
     S, rule, method = key
     t0 = time.perf_counter()
     try:
@@ -253,52 +245,40 @@ def _sweep_cell(key: tuple, pruner: Pruner, eval_batches) -> SweepCell:
     except OnnxDiagError as exc:
         return SweepCell(float(S), rule, method, error=str(exc))
     model, _ = pruner.prune(alloc, method)
-    agr, ev = pruner.measure(model, None if eval_batches is None else _Batches(eval_batches))
-    return SweepCell(float(S), rule, method, agreement=agr,
-                     accuracy=None if ev is None else ev["accuracy"],
-                     loss=None if ev is None else ev["loss"],
-                     seconds=time.perf_counter() - t0, layer_sparsity=dict(alloc.sparsity))
+    source = None if shipped_eval is None else receive(shipped_eval, specs)
+    return _measured(key, alloc, model, pruner, source, time.perf_counter() - t0)
 
 
-def _run_on(executor, pruner, grid, rules, methods, eval_source, on_cell) -> list[SweepCell]:
+def _run_on(executor, pruner, keys, shipped, on_cell) -> list[SweepCell]:
     """The cells as units of ``executor``: the pruner (dense model, calibration samples, RR
-    curves) and the evaluation batches are shipped once; cells come back in grid order."""
+    curves) and the ``shipped`` evaluation data go once; cells come back in grid order."""
     import dataclasses
 
+    from ..model.io import get_input_specs
     from ..runtime.executor import wants_gpu
 
-    keys = [(float(S), rule, method) for S in grid for rule in rules for method in methods]
-    eval_batches = None if eval_source is None else list(eval_source.batches())
     worker = dataclasses.replace(pruner, threads=1)  # one core per unit
+    shared = (worker, shipped, get_input_specs(pruner.model))
     out: dict[int, SweepCell] = {}
-    for i, cell, error in executor.map(_sweep_cell, keys, (worker, eval_batches),
+    for i, cell, error in executor.map(_sweep_cell, keys, shared,
                                        gpu=wants_gpu(pruner.providers)):
         if cell is None:  # the unit failed outside the allocation: keep the message
-            cell = SweepCell(keys[i][0], keys[i][1], keys[i][2], error=error)
+            cell = SweepCell(keys[i][0], keys[i][1], keys[i][2], error=error, failed=True)
         out[i] = cell
         if on_cell:
             on_cell(cell, len(out), len(keys))
     return [out[i] for i in range(len(keys))]
 
 
-def run_sweep(pruner: Pruner, grid: Sequence[float], rules: Sequence[str],
-              methods: Sequence[str], *, eval_source=None,
-              on_cell: Callable[[SweepCell, int, int], None] | None = None,
-              executor=None) -> list[SweepCell]:
-    """Every (S, rule, method) cell: one allocation and mask set per (S, rule), one repair
-    per method.  A rule that cannot meet S yields cells with ``error`` (not an exception).
-
-    ``executor`` (an :class:`onnxdiag.executor.Executor`): run each cell as a unit of work
-    there (local processes or Ray tasks) instead of in this process."""
-    for rule in rules:
-        if rule not in RULES:
-            raise OnnxDiagError(f"Unknown allocation {rule!r}; choose from {', '.join(RULES)}.")
-    for method in methods:
-        if method not in METHODS:
-            raise OnnxDiagError(f"Unknown repair {method!r}; choose from {', '.join(METHODS)}.")
-    if executor is not None:
-        return _run_on(executor, pruner, grid, rules, methods, eval_source, on_cell)
+def _run_here(pruner, grid, rules, methods, eval_source, on_cell) -> list[SweepCell]:
+    """The cells in this process: one allocation and mask set per (S, rule)."""
     cells, total = [], len(grid) * len(rules) * len(methods)
+
+    def add(cell):
+        cells.append(cell)
+        if on_cell:
+            on_cell(cell, len(cells), total)
+
     for S in grid:
         for rule in rules:
             t0 = time.perf_counter()
@@ -306,26 +286,49 @@ def run_sweep(pruner: Pruner, grid: Sequence[float], rules: Sequence[str],
                 alloc = pruner.allocate(rule, S)
             except OnnxDiagError as exc:
                 for method in methods:
-                    cells.append(SweepCell(float(S), rule, method, error=str(exc)))
-                    if on_cell:
-                        on_cell(cells[-1], len(cells), total)
+                    add(SweepCell(float(S), rule, method, error=str(exc)))
                 continue
             masks = make_masks(alloc, pruner.weights)
-            spent = time.perf_counter() - t0
             for method in methods:
-                t0 = time.perf_counter()
                 model, _ = pruner.prune(alloc, method, masks=masks)
-                agr, ev = pruner.measure(model, eval_source)
-                cells.append(SweepCell(
-                    float(S), rule, method, agreement=agr,
-                    accuracy=None if ev is None else ev["accuracy"],
-                    loss=None if ev is None else ev["loss"],
-                    seconds=spent + time.perf_counter() - t0,
-                    layer_sparsity=dict(alloc.sparsity)))
-                spent = 0.0
-                if on_cell:
-                    on_cell(cells[-1], len(cells), total)
+                add(_measured((S, rule, method), alloc, model, pruner, eval_source,
+                              time.perf_counter() - t0))
+                t0 = time.perf_counter()
     return cells
+
+
+def run_sweep(pruner: Pruner, grid: Sequence[float], rules: Sequence[str],
+              methods: Sequence[str], *, eval_source=None, eval_request=None,
+              on_cell: Callable[[SweepCell, int, int], None] | None = None,
+              executor=None) -> list[SweepCell]:
+    """Every (S, rule, method) cell: one allocation and mask set per (S, rule), one repair
+    per method.  A rule that cannot meet S yields cells with ``error`` (not an exception).
+
+    ``eval_source``: labelled data (a DataSource) or None. ``executor`` (an
+    :class:`onnxdiag.runtime.executor.Executor` that does not run ``in_process``): run each
+    cell as a unit of work there (local processes or Ray tasks); the evaluation data go to
+    the workers once (:meth:`~onnxdiag.runtime.executor.Executor.ship`; ``eval_request``,
+    the :class:`~onnxdiag.commands.base.DataRequest` it was opened from, lets local workers
+    reopen its path instead of receiving the samples). A unit that fails becomes a cell
+    with ``error`` and ``failed`` set.
+    """
+    for rule in rules:
+        if rule not in RULES:
+            raise OnnxDiagError(f"Unknown allocation {rule!r}; choose from {', '.join(RULES)}.")
+    for method in methods:
+        if method not in METHODS:
+            raise OnnxDiagError(f"Unknown repair {method!r}; choose from {', '.join(METHODS)}.")
+    if executor is None or executor.in_process:
+        return _run_here(pruner, grid, rules, methods, eval_source, on_cell)
+    keys = [(float(S), rule, method) for S in grid for rule in rules for method in methods]
+    shipped = None
+    if eval_source is not None:
+        if eval_request is None:  # no path to reopen: the samples themselves are shipped
+            from ..commands.base import DataRequest
+
+            eval_request = DataRequest(None)
+        shipped = executor.ship(eval_request, eval_source)
+    return _run_on(executor, pruner, keys, shipped, on_cell)
 
 
 def curve(cells: Sequence[SweepCell], rule: str, method: str, metric: str = "agreement"

@@ -1,0 +1,257 @@
+"""One layer's RR moments (docs/METHODS.md §C2): the plan of a prunable layer, its batches
+folded into per-level moments, and D_raw / D_repair from them.
+
+A plan (:func:`plan_layer`) holds the layer's op, its dense weights and, per grid level,
+either the weights removed since the previous level (``incremental``: the removed
+weights' output grown level by level) or the removed weight rows (``gram``: the columns'
+second moments, every level then a quadratic form of the weights). :func:`fold_layer`
+folds one batch of the layer's captured input; :func:`finish_layer` returns the
+distortions per level. Only per-channel moments are kept (memory O(|grid|·C)).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy import sparse
+
+from ..graph import GraphIndex
+from .budget import prune_count
+from .masks import magnitude_order
+from .offline import apply_columns, layer_op, sampled_columns, weight_matrix
+
+
+class PairMoments:
+    """Streaming per-channel moments of a pair (a, b), each ``(n_samples, n_channels)``.
+
+    Keeps n, means and centred sums Σaa, Σbb, Σab (Chan et al. pairwise update, float64),
+    so the result does not depend on the batch split.
+    """
+
+    def __init__(self, n_channels: int):
+        self.n = 0
+        self.mean_a = np.zeros(n_channels)
+        self.mean_b = np.zeros(n_channels)
+        self.s_aa = np.zeros(n_channels)
+        self.s_bb = np.zeros(n_channels)
+        self.s_ab = np.zeros(n_channels)
+
+    def update(self, a: np.ndarray, b: np.ndarray) -> PairMoments:
+        """Fold in a batch: ``a``, ``b`` of shape ``(n_samples, n_channels)``; returns self."""
+        a_t = np.asarray(a, np.float64).T
+        return self.update_channels_first(centre_rows(a_t), np.ascontiguousarray(
+            np.asarray(b, np.float64).T))
+
+    def update_channels_first(self, a_centred: tuple, b_t: np.ndarray) -> PairMoments:
+        """Fold in a batch given as ``centre_rows(a.T)`` and ``b.T`` ``(n_channels, n)``.
+
+        Lets one dense batch ``a`` be centred once and paired with many ``b``.
+        """
+        ma, ca, saa = a_centred
+        m = ca.shape[1]
+        if m == 0:
+            return self
+        mb = b_t.mean(axis=1)
+        cb = b_t - mb[:, None]
+        n = self.n + m
+        da, db, w = ma - self.mean_a, mb - self.mean_b, self.n * m / n
+        self.s_aa += saa + da * da * w
+        self.s_bb += np.einsum("ij,ij->i", cb, cb) + db * db * w
+        self.s_ab += np.einsum("ij,ij->i", ca, cb) + da * db * w
+        self.mean_a += da * (m / n)
+        self.mean_b += db * (m / n)
+        self.n = n
+        return self
+
+
+def centre_rows(x_t: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(row means, centred rows, row sums of squares) of ``x_t`` ``(n_channels, n)``, float64."""
+    x_t = np.asarray(x_t, np.float64)
+    mean = x_t.mean(axis=1)
+    centred = np.ascontiguousarray(x_t - mean[:, None])
+    return mean, centred, np.einsum("ij,ij->i", centred, centred)
+
+
+def distortions(acc: PairMoments) -> tuple[float, float]:
+    """(D_raw, D_repair) from the moments of a = y^d and b = y^d − y^p (population moments)."""
+    n = max(acc.n, 1)
+    var_d, var_r, cov_dr = acc.s_aa / n, acc.s_bb / n, acc.s_ab / n
+    total = float(var_d.sum())
+    raw = float((var_r + acc.mean_b ** 2).sum())
+    var_p = np.maximum(var_d - 2 * cov_dr + var_r, 0.0)
+    cov_dp = var_d - cov_dr
+    alive = var_p > 1e-12 * var_d  # σ^p < 1e-6 σ^d: collapsed (rounding noise otherwise)
+    ratio = np.sqrt(var_d) / np.sqrt(np.where(alive, var_p, 1.0))
+    err = np.where(alive, 2 * var_d - 2 * ratio * cov_dp, var_d)
+    repair = float(np.maximum(err, 0.0).sum())
+    if total <= 0:
+        return 0.0, 0.0
+    return raw / total, repair / total
+
+
+def finish_layer(plan: dict) -> tuple[list, int]:
+    """(distortions per level, samples folded) of a layer whose batches are all folded."""
+    if plan["mode"] == "gram":
+        _finish_gram(plan)
+    return [distortions(acc) for acc in plan["acc"]], plan["acc"][0].n
+
+
+def layer_unit(item) -> tuple[list, int]:
+    """One layer as a unit of work: fold its captured batches, then finish it."""
+    import copy
+
+    plan, batches = item
+    plan = copy.deepcopy(plan)  # writable accumulators (Ray's arguments are read-only views)
+
+    def writable(a):
+        return a if a is None or a.flags.writeable else np.array(a)
+
+    for x, images, x_last in batches:
+        fold_layer(plan, writable(x), images, writable(x_last))
+    return finish_layer(plan)
+
+
+STRATEGIES = ("auto", "incremental", "gram")
+#: ``gram`` keeps groups·K² float64 per layer; above this many entries ``auto`` never picks it.
+GRAM_MAX_ENTRIES = 4_000_000
+#: Measured on 2 CPU cores (benchmarks/bench_rr.py): BLAS Gram work runs ~8x faster per
+#: operation than the sparse increments and per-level moments.
+GRAM_SPEED = 8
+
+
+def choose_strategy(n_out: int, k: int, groups: int, n_levels: int) -> str:
+    """``gram`` when its per-sample work groups·K² (a multi-threaded BLAS product) is at most
+    ``GRAM_SPEED`` times the incremental one, n_out·(K + 3·n_levels) (single-threaded sparse
+    products plus per-level moments), and its groups·K² accumulator fits GRAM_MAX_ENTRIES."""
+    gram = groups * k * k
+    if gram > GRAM_MAX_ENTRIES:
+        return "incremental"
+    return "gram" if gram <= GRAM_SPEED * n_out * (k + 3 * n_levels) else "incremental"
+
+
+def plan_layer(index: GraphIndex, layer, grid, strategy: str = "auto") -> dict:
+    """Per layer: its op, dense matrix, the weights removed between consecutive grid points
+    (sparse, rows = output channels, columns = column features), and accumulators; or, for
+    the ``gram`` strategy, the removed weights per level and the column moments."""
+    w = np.asarray(index.get_constant(layer.weight), dtype=np.float32)
+    op = layer_op(index, layer)
+    order = magnitude_order(w)
+    rows, cols, n_cols = _coordinates(op, w.shape, order)
+    groups = op.groups if op.kind == "conv" else 1
+    if strategy == "auto":
+        strategy = choose_strategy(layer.n_out, n_cols // groups, groups, len(grid))
+    if strategy == "gram":
+        return _gram_plan(op, w, order, rows, cols, n_cols, groups, grid, layer.n_out)
+    values = w.ravel()[order]
+    steps, previous = [], w.size
+    for s in grid:
+        kept = w.size - prune_count(w.size, s)
+        part = slice(kept, previous)
+        steps.append(None if kept >= previous else sparse.csr_matrix(
+            (values[part], (rows[part], cols[part])), shape=(layer.n_out, n_cols)))
+        previous = min(previous, kept)
+    return {"mode": "incremental", "op": op, "kernel": tuple(w.shape[2:]),
+            "dense": weight_matrix(op, w), "steps": steps, "n": int(w.size),
+            "acc": [PairMoments(layer.n_out) for _ in grid]}
+
+
+def _gram_plan(op, w, order, rows, cols, n_cols, groups, grid, n_out) -> dict:
+    """Dense per-channel weight rows (C, K) in column order, the removed rows per level
+    (n_levels, C, K), float64; accumulators of the shifted column moments per group."""
+    k = n_cols // groups
+    dense = np.zeros((n_out, k))
+    values = w.ravel()[order].astype(np.float64)
+    dense[rows, cols % k] = values
+    removed = np.zeros((len(grid), n_out, k))
+    for j, s in enumerate(grid):
+        kept = w.size - prune_count(w.size, s)
+        removed[j, rows[kept:], cols[kept:] % k] = values[kept:]
+    return {"mode": "gram", "op": op, "kernel": tuple(w.shape[2:]), "n": int(w.size),
+            "groups": groups, "group_of": np.arange(n_out) // (n_out // groups),
+            "dense_rows": dense, "removed_rows": removed, "shift": None,
+            "gram": np.zeros((groups, k, k)), "sums": np.zeros((groups, k)), "count": 0,
+            "acc": [PairMoments(n_out) for _ in grid]}
+
+
+def _fold_gram(plan: dict, cols: np.ndarray, own: bool = False) -> None:
+    """One batch of columns (m, groups, K): Σ (col − shift)(col − shift)ᵀ per group (a
+    symmetric BLAS product in ``plan["gram_dtype"]``, merged into float64) and column sums;
+    the shift (the first batch's column means) keeps the final subtraction well conditioned.
+    ``own``: ``cols`` is a scratch array that may be shifted in place."""
+    dtype = plan.get("gram_dtype", np.float64)
+    if plan["shift"] is None:
+        plan["shift"] = cols.mean(axis=0, dtype=np.float64)
+    if own and cols.dtype == dtype:
+        c = np.subtract(cols, plan["shift"].astype(dtype), out=cols)
+    else:
+        c = np.asarray(cols, dtype=dtype) - plan["shift"].astype(dtype)
+    if plan["groups"] == 1:
+        c0 = c[:, 0, :]
+        plan["gram"][0] += c0.T @ c0  # A.T @ A: NumPy uses the symmetric rank-k update
+    else:
+        ct = c.transpose(1, 0, 2)
+        plan["gram"] += np.matmul(ct.transpose(0, 2, 1), ct)
+    plan["sums"] += (np.ones(c.shape[0], dtype) @ c.reshape(c.shape[0], -1)).reshape(
+        plan["sums"].shape)  # a BLAS product: faster than sum(axis=0), same precision
+    plan["count"] += c.shape[0]
+
+
+def _finish_gram(plan: dict) -> None:
+    """Fill each level's PairMoments from the column covariance Σ and mean μ (SPEC C2 moments
+    of a = y^d = Wx and b = y^d − y^p = W_r x are quadratic forms: Var a = wᵀΣw, …): per
+    level one batched (C, K) × (K, K) product per group, O(C·K²), no pass over samples."""
+    n = plan["count"]
+    g = plan["groups"]
+    centred = plan["sums"] / n
+    cov = plan["gram"] / n - np.einsum("gi,gj->gij", centred, centred)
+    mean = centred + plan["shift"]
+    w = plan["dense_rows"]
+    c, k = w.shape
+    wg = w.reshape(g, c // g, k)
+    var_d = np.einsum("gok,gok->go", wg, wg @ cov).ravel()
+    mean_a = np.einsum("gok,gk->go", wg, mean).ravel()
+    rem = plan["removed_rows"].reshape(-1, g, c // g, k)
+    srem = rem @ cov  # (levels, g, C/g, K)
+    s_bb = np.einsum("lgok,lgok->lgo", rem, srem).reshape(len(rem), c)
+    s_ab = np.einsum("gok,lgok->lgo", wg, srem).reshape(len(rem), c)
+    mean_b = np.einsum("lgok,gk->lgo", rem, mean).reshape(len(rem), c)
+    for j, acc in enumerate(plan["acc"]):
+        acc.n = n
+        acc.s_aa = n * var_d
+        acc.s_bb = n * s_bb[j]
+        acc.s_ab = n * s_ab[j]
+        acc.mean_a = mean_a.copy()
+        acc.mean_b = mean_b[j]
+
+
+def _coordinates(op, shape, flat) -> tuple[np.ndarray, np.ndarray, int]:
+    """(output channel, column feature) of flat weight indices, and the number of columns."""
+    if op.kind == "linear":
+        a, b = np.divmod(flat, shape[1])
+        return (a, b, shape[1]) if op.layout == "oi" else (b, a, shape[0])
+    per = int(np.prod(shape[1:]))
+    out, k = np.divmod(flat, per)
+    return out, (out // (shape[0] // op.groups)) * per + k, op.groups * per
+
+
+def fold_layer(plan: dict, x: np.ndarray, images: np.ndarray,
+                x_last: np.ndarray | None = None) -> None:
+    """One batch (``images``: the batch's global image indices, for the position draw):
+    the (sampled) columns, then the ``gram`` moments, or y^d once and y^d − y^p (the removed
+    weights' output) grown step by step over the grid, so all s together cost about one
+    more dense evaluation."""
+    cols = sampled_columns(plan["op"], x, plan["kernel"], plan["positions"],
+                           seed=plan["seed"], sample_indices=images, x_last=x_last)
+    if plan["mode"] == "gram":
+        # Shift in place only a scratch array: never a (read-only) view of the captured
+        # inputs, which other layers reading the same tensor still need.
+        own = (cols.flags.writeable and not np.may_share_memory(cols, x)
+               and (x_last is None or not np.may_share_memory(cols, x_last)))
+        _fold_gram(plan, cols, own=own)
+        return
+    dense = centre_rows(apply_columns(cols, plan["dense"]).T)
+    cols_t = np.ascontiguousarray(cols.reshape(cols.shape[0], -1).T)
+    removed = np.zeros(dense[1].shape)  # (C, P) float64; exact 0 at s = 0
+    for acc, step in zip(plan["acc"], plan["steps"]):
+        if step is not None:
+            removed += step @ cols_t
+        acc.update_channels_first(dense, removed)
