@@ -116,6 +116,14 @@ def scaled_identity(seed: int = 0) -> onnx.ModelProto:
     return g.model([_vi("x", ("N", 16))], [_logits()])
 
 
+def label_only_output(seed: int = 0) -> onnx.ModelProto:
+    """Only a label output: Gemm "head" → ArgMax "argmax" → label (N,) int64."""
+    g = _G(seed)
+    u = g.gemm(g.node("Relu", ["x"], "feat"), "head", 16, N_CLASSES)
+    g.node("ArgMax", [u], "argmax", "label", axis=1, keepdims=0)
+    return g.model([_vi("x", ("N", 16))], [_vi("label", ("N",), TensorProto.INT64)])
+
+
 TOKENS = 6
 
 
@@ -173,7 +181,10 @@ HEAD_CASES = {
     "scaled_identity": (scaled_identity, "head", "identity", "feat", "flatten", "head"),
     "decoder_gather_head": (decoder_gather_head, "head", "identity", "feat", "token",
                             "logits"),
+    "label_only_output": (label_only_output, "head", "argmax", "feat", "flatten", "head"),
 }
+#: HEAD_CASES that only verification finds (no pattern lists the ops in between).
+DATA_ONLY = ("scaled_identity", "label_only_output")
 #: Heads that look like one but are not (verification must refuse them).
 REFUSED_HEADS = {
     "fake_softmax": fake_softmax,

@@ -81,7 +81,7 @@ def head_candidates(index: GraphIndex, *, head: str | None = None,
     """
     if head is not None:
         found = find_head(index, head=head, features=features)
-        return [Candidate(found, (found.logits,))], []
+        return [Candidate(_reached_output(index, found), (found.logits,))], []
     traces = sorted((trace_output(index, out) for out in index.outputs), key=lambda t: t.label)
     out: list[Candidate] = []
     reasons: list[str] = []
@@ -102,6 +102,19 @@ def head_candidates(index: GraphIndex, *, head: str | None = None,
             except HeadNotFoundError:  # --features does not fit this node: not a candidate
                 continue
     return _unique(out), list(dict.fromkeys(reasons))
+
+
+def _reached_output(index: GraphIndex, head: Head) -> Head:
+    """``head`` with the output it is a last linear map of (through any ops) when it was
+    named and no known op leads to an output: the relation is then checked there too."""
+    if head.output is not None:
+        return head
+    for out in index.outputs:
+        trace = trace_output(index, out)
+        nodes, _ = walk_back(index, trace.scores or out)
+        if any(n.name == head.node_name for n in nodes) and not trace.label:
+            return replace(head, output=out, scores=trace.scores)
+    return head
 
 
 def _candidate(index, head: Head, features, options) -> Candidate:
@@ -280,9 +293,10 @@ def run_exposed(model, feeds: dict, names: list[str], *, providers=None) -> dict
 
     model = _tensor_outputs_only(model)
     made = {t for n in model.graph.node for t in n.output}
-    names = [n for n in names if n in made]
-    runner = OrtRunner(expose_tensors(model, names), providers=providers)
-    return runner.run(feeds, [n for n in names if n in runner.output_names])
+    runner = OrtRunner(expose_tensors(model, [n for n in names if n in made]),
+                       providers=providers)
+    values = runner.run(feeds, [n for n in names if n in runner.output_names])
+    return {**{n: np.asarray(feeds[n]) for n in names if n in feeds}, **values}
 
 
 def choose_head(candidates: list[Candidate], values: dict, index: GraphIndex,
@@ -327,7 +341,7 @@ def verify_head_on(model, head: Head, feeds: dict, *, providers=None,
     """``head`` with its relation and errors measured on ``feeds`` (or on already computed
     ``values`` holding its features, logits and output); HeadNotFoundError when it fails."""
     index = model if isinstance(model, GraphIndex) else GraphIndex(model)
-    candidate = Candidate(head, (head.logits,))
+    candidate = Candidate(_reached_output(index, head), (head.logits,))
     if values is None or not set(_exposed([candidate])) <= set(values):
         values = run_exposed(index.model, feeds, _exposed([candidate]), providers=providers)
     return choose_head([candidate], values, index)
