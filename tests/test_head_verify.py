@@ -162,6 +162,14 @@ def test_structure_lists_candidates_when_no_head_and_verifies_with_feeds():
     assert d["verified"] and d["rel_error"] <= TOLERANCE and d["relation"] == "identity"
 
 
+@pytest.mark.parametrize("name", sorted({**corpus_heads.HEAD_CASES,
+                                         **corpus_heads.REFUSED_HEADS}))
+def test_candidates_listed_without_data_for_every_head_case(name):
+    builder = corpus_heads.HEAD_CASES.get(name, (corpus_heads.REFUSED_HEADS.get(name),))[0]
+    structure = analyze_structure(load_model(builder()), require_head=False)
+    assert "head" in structure.head_candidates
+
+
 def test_dequantize_linear_constants_fold():
     from onnx import TensorProto, helper, numpy_helper
 

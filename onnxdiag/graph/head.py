@@ -17,7 +17,7 @@ import onnx
 
 from ..errors import HeadNotFoundError
 from ._records import array_summary, frozen_array
-from .index import GraphIndex
+from .index import GraphIndex, get_attr
 from .linear import Linear, linear_at, linear_of, linear_weight
 from .trace import Trace, trace_output
 
@@ -151,18 +151,23 @@ def find_head(model: onnx.ModelProto | GraphIndex, *, head: str | None = None,
 
 def find_head_candidates(model: onnx.ModelProto | GraphIndex) -> list[str]:
     """Names of nodes that could be a head (Gemm, MatMul with a constant 2-D weight, 1×1
-    Conv with group 1), in topological order; may be empty; never raises on odd graphs."""
+    Conv with group 1), in topological order; may be empty; never raises on odd graphs.
+    Checks shapes only (no weight is copied)."""
     index = model if isinstance(model, GraphIndex) else GraphIndex(model)
-    names = []
-    for node in index.nodes:
-        if node.op_type in ("Gemm", "MatMul", "Conv"):
-            try:
-                ok = not isinstance(linear_weight(index, node), str)
-            except (ValueError, TypeError, IndexError):  # malformed weights: not a candidate
-                ok = False
-            if ok:
-                names.append(node.name)
-    return names
+    return [node.name for node in index.nodes if _could_be_head(index, node)]
+
+
+def _could_be_head(index: GraphIndex, node: onnx.NodeProto) -> bool:
+    if node.op_type not in ("Gemm", "MatMul", "Conv") or len(node.input) < 2 \
+            or node.domain not in ("", "ai.onnx"):
+        return False
+    w = index.get_constant(node.input[1])
+    if w is None:
+        return False
+    if node.op_type == "Conv":
+        return w.ndim >= 3 and all(k == 1 for k in w.shape[2:]) \
+            and get_attr(node, "group", 1) == 1
+    return w.ndim == 2 and not (node.op_type == "Gemm" and get_attr(node, "transA", 0))
 
 
 def make_head(lin: Linear, trace: Trace | None, note: str) -> Head:

@@ -231,7 +231,8 @@ def check_candidate(candidate: Candidate, values: dict, index: GraphIndex) -> He
     if err > TOLERANCE:
         return f"{what}: Z Wᵀ + b differs from {logits!r} by relative error {err:.3g}"
     if head.output is None:
-        return replace(head, logits=logits, rel_error=err)
+        return replace(head, logits=logits, rel_error=err,
+                       note=f"{head.note}; linear map verified (reaches no output)".lstrip("; "))
     label = index.is_float(head.output) is False
     between = _nodes_between(index, logits, head.scores or head.output)
     errors = _relation(u, values[head.output if label else head.scores or head.output], label,
@@ -244,8 +245,9 @@ def check_candidate(candidate: Candidate, values: dict, index: GraphIndex) -> He
         return f"{what}: no relation maps {logits!r} to output {head.output!r} ({measured})"
     path = head.path if logits == head.logits and head.path else tuple(
         n.op_type for n in between)
+    note = f"{head.note}; verified on a batch of {u.shape[0]}".lstrip("; ")
     return replace(head, logits=logits, relation=relation, rel_error=err, path=path,
-                   relation_error=errors[relation])
+                   relation_error=errors[relation], note=note)
 
 
 def _nodes_between(index: GraphIndex, start: str, end: str) -> list:
