@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import DataError
+from .graph.head import feature_matrix
 from .model.expose import expose_tensors
 from .runtime.runner import OrtRunner
 from .selection.readouts import log_softmax
@@ -44,15 +45,15 @@ def compare_models(source_runner, emitted_runner, source, head, *, max_batches: 
 
 
 def head_arrays(outputs: dict[str, np.ndarray], head) -> tuple[np.ndarray, np.ndarray]:
-    """Z (n_samples, n_features) and U (n_samples, n_classes) from exposed head tensors."""
-    feats = np.asarray(outputs[head.features], dtype=np.float64)
-    n = feats.shape[0]
-    if head.features_reduce == "spatial_mean" and feats.ndim > 2:
-        Z = feats.reshape(n, feats.shape[1], -1).mean(axis=2)
-    else:
-        Z = feats.reshape(n, -1)
+    """Z (n_samples, n_features) and U (n_samples, n_classes) from exposed head tensors.
+
+    Z by ``head.features_reduce`` (:func:`onnxdiag.graph.head.feature_matrix`): the
+    features flattened, their mean over spatial positions (a 1×1 conv before global
+    average pooling: the pooled logits are W · mean(z) + b), or the picked token's row.
+    """
+    n = np.shape(outputs[head.features])[0]
     U = np.asarray(outputs[head.logits], dtype=np.float64).reshape(n, -1)
-    return Z, U
+    return feature_matrix(outputs[head.features], head, U), U
 
 
 @dataclass(frozen=True)

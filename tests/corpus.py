@@ -91,6 +91,10 @@ def _logits(name="logits", c=N_CLASSES):
     return _vi(name, ("N", c))
 
 
+#: Public names of the builder helpers, for corpus modules beside this one.
+GraphBuilder, value_info, image_input, logits_output = _G, _vi, _image, _logits
+
+
 # -- heads ----------------------------------------------------------------------------------
 def gemm_head(trans_b: bool = True, seed: int = 0) -> onnx.ModelProto:
     """x (N,16) → Relu "feat" → Gemm "head" (transB given, alpha=0.5, beta=2) → logits."""
@@ -457,6 +461,7 @@ def channel_shuffle(seed: int = 0) -> onnx.ModelProto:
     c = g.node("Reshape", [b, g.init("shape_b", np.array([0, 8, 8, 8], np.int64))], "merge")
     g.gemm(g.pool_flatten(g.conv(c, "c1", 8, 8)), "head", 8, N_CLASSES, out="logits")
     return g.model([_image()], [_logits()])
+
 
 
 CORPUS = {

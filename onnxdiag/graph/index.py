@@ -155,8 +155,8 @@ class GraphIndex:
         """The value of ``tensor_name`` if it is computable without inputs, else None.
 
         Resolves initializers, Constant nodes, ConstantOfShape and Identity / Transpose /
-        Reshape / Cast / Squeeze / Unsqueeze / Flatten of constants, recursively.  Returns
-        a read-only array; never modifies the model.
+        Reshape / Cast / Squeeze / Unsqueeze / Flatten / DequantizeLinear of constants,
+        recursively.  Returns a read-only array; never modifies the model.
         """
         if tensor_name in self._const_cache:
             return self._const_cache[tensor_name]
@@ -301,6 +301,23 @@ def _fold_flatten(index, node, args):
     return x.reshape(int(np.prod(x.shape[:axis])), -1)
 
 
+def _fold_dequantize(index, node, args):
+    """(x − zero_point) · scale, per tensor or per ``axis`` (block quantization: None)."""
+    if len(args) < 2 or args[1] is None or get_attr(node, "block_size", 0):
+        return None
+    has_zero = len(args) > 2 and bool(node.input[2])
+    if has_zero and args[2] is None:
+        return None
+    x, scale = args[0].astype(np.float64), args[1].astype(np.float64)
+    zero = args[2].astype(np.float64) if has_zero else np.zeros_like(scale)
+    if scale.size > 1:
+        shape = [1] * x.ndim
+        shape[get_attr(node, "axis", 1) % x.ndim] = scale.size
+        scale, zero = scale.reshape(shape), zero.reshape(shape)
+    return ((x - zero) * scale).astype(args[1].dtype if args[1].dtype.kind == "f"
+                                       else np.float32)
+
+
 _FOLDERS = {
     "Identity": lambda index, node, args: args[0],
     "Transpose": lambda index, node, args: np.transpose(args[0], get_attr(node, "perm")),
@@ -310,4 +327,5 @@ _FOLDERS = {
     "Unsqueeze": _fold_unsqueeze,
     "ConstantOfShape": _fold_constant_of_shape,
     "Flatten": _fold_flatten,
+    "DequantizeLinear": _fold_dequantize,
 }

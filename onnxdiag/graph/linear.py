@@ -1,6 +1,10 @@
 """Linear maps U = Z Wᵀ + b in an ONNX graph: Gemm, MatMul (+ Add), 1×1 Conv (± pooling).
 
-Used by head discovery (SPEC A1) and layer listing.  Never modifies the model.
+Weights are constants as :meth:`GraphIndex.get_constant` resolves them (initializers,
+Constant nodes, Identity/Transpose/Reshape/Cast of those, DequantizeLinear of constant
+integers).  A MatMul whose input has token axes, (n_samples, n_tokens, n_features), is a
+per-token map (``reduce="token"``): a decoder-style classifier then picks one token.
+Used by head discovery (docs/METHODS.md §A1).  Never modifies the model.
 """
 
 from __future__ import annotations
@@ -17,7 +21,11 @@ GLOBAL_POOLS = frozenset({"GlobalAveragePool", "ReduceMean"})
 
 @dataclass(frozen=True)
 class Linear:
-    """A linear node's map: U = flatten(features or its spatial mean) Wᵀ + b == logits."""
+    """A linear node's map: U = flatten(features or its spatial mean) Wᵀ + b == logits.
+
+    ``reduce``: "flatten", "spatial_mean" (a 1×1 conv before global pooling) or "token"
+    (applied to every token; ``logits`` is then the per-token output (N, T, C)).
+    """
 
     node: onnx.NodeProto
     weight: np.ndarray
@@ -26,7 +34,6 @@ class Linear:
     logits: str
     reduce: str = "flatten"
     bias_node: str | None = None
-
 
 
 def linear_weight(index: GraphIndex, node: onnx.NodeProto) -> tuple | str:
@@ -112,21 +119,77 @@ def linear_at(index: GraphIndex, tensor: str) -> Linear | str:
     if op == "Add":
         return _matmul_add(index, node) or f"Add node {node.name!r} is not a MatMul + bias"
     if op in GLOBAL_POOLS and reduces_spatial_axes(index, node):
-        conv = index.producer.get(node.input[0])
-        if conv is None or conv.op_type != "Conv" or not _is_pointwise_conv(conv):
-            return f"{op} node {node.name!r} is not preceded by a 1×1 conv"
-        wb = linear_weight(index, conv)
-        if isinstance(wb, str):
-            return wb
-        return Linear(conv, *wb, features=conv.input[0], logits=tensor, reduce="spatial_mean")
+        return _pooled_conv(index, node, tensor)
     wb = linear_weight(index, node)
     if isinstance(wb, str):
         return wb
     if op == "Conv" and not _flat_features(index, node.input[0]):
         return f"1×1 Conv {node.name!r} is not applied to pooled features"
+    reduce = "flatten"
     if op == "MatMul" and not _flat_features(index, node.input[0]):
-        return f"MatMul {node.name!r} input is not (n_samples, n_features)"
-    return Linear(node, *wb, features=node.input[0], logits=tensor)
+        rank = index.rank(node.input[0])
+        if rank is not None and rank < 3:
+            return f"MatMul {node.name!r} input is not (n_samples, n_features)"
+        reduce = "flatten" if rank is None else "token"  # unknown rank: verified on data
+    return Linear(node, *wb, features=node.input[0], logits=tensor, reduce=reduce)
+
+
+def _pooled_conv(index: GraphIndex, pool: onnx.NodeProto, tensor: str) -> Linear | str:
+    """A 1×1 conv (optionally + a bias Add) right before the global pooling ``pool``."""
+    source = index.producer.get(pool.input[0])
+    conv = source
+    if source is not None and source.op_type == "Add":
+        conv = next((index.producer.get(t) for t in source.input
+                     if index.get_constant(t) is None), None)
+    if conv is None or conv.op_type != "Conv" or not _is_pointwise_conv(conv):
+        return _describe_pool_input(index, pool)
+    wb = linear_weight(index, conv)
+    if isinstance(wb, str):
+        return wb
+    weight, bias = wb
+    if conv is not source:  # the bias Add between conv and pool
+        const = next(index.get_constant(t) for t in source.input
+                     if index.get_constant(t) is not None)
+        extra = _bias_vector(const, len(bias))
+        if extra is None:
+            return f"Add node {source.name!r} before {pool.op_type} is not a per-class bias"
+        bias = bias + extra
+    return Linear(conv, weight, bias, features=conv.input[0], logits=tensor,
+                  reduce="spatial_mean", bias_node=None if conv is source else source.name)
+
+
+def _describe_pool_input(index: GraphIndex, pool: onnx.NodeProto) -> str:
+    """Why the input of a global pooling is not a 1×1 conv: what is there instead."""
+    source = index.producer.get(pool.input[0])
+    what = f"{pool.op_type} node {pool.name!r}"
+    if source is None:
+        return f"{what} reads graph input {pool.input[0]!r}, not a 1×1 conv"
+    chain, node = [], source
+    while node is not None and node.op_type != "Conv" and len(chain) < 4:
+        chain.append(f"{node.op_type} {node.name!r}")
+        data = [t for t in node.input if t and index.get_constant(t) is None]
+        node = index.producer.get(data[0]) if len(data) == 1 else None
+    if node is not None and chain and not isinstance(linear_weight(index, node), str):
+        return (f"{what} reads {' ← '.join(chain)} applied to the output of 1×1 Conv "
+                f"{node.name!r}: the pooled logits are not a linear map of that conv's input")
+    if source.op_type == "Conv":
+        return f"{what} reads Conv {source.name!r}, which is not a 1×1 conv with group 1, " \
+               "stride 1 and no padding"
+    return f"{what} reads {source.op_type} {source.name!r}, not a 1×1 conv"
+
+
+def linear_of(index: GraphIndex, node: onnx.NodeProto) -> Linear | str:
+    """The linear map computed by ``node``, with its bias Add or global pooling when one
+    follows; else a reason why ``node`` is not head-shaped."""
+    wb = linear_weight(index, node)
+    if isinstance(wb, str):
+        return wb
+    for user, _ in index.consumers_of(node.output[0]):
+        if user.op_type == "Add" or user.op_type in GLOBAL_POOLS:
+            found = linear_at(index, user.output[0])
+            if isinstance(found, Linear) and found.node is node:
+                return found
+    return linear_at(index, node.output[0])
 
 
 def _matmul_add(index: GraphIndex, add: onnx.NodeProto) -> Linear | None:
@@ -143,5 +206,5 @@ def _matmul_add(index: GraphIndex, add: onnx.NodeProto) -> Linear | None:
         if extra is None:
             continue
         return Linear(inner.node, inner.weight, inner.bias + extra, inner.features,
-                       logits=add.output[0], bias_node=add.name)
+                      logits=add.output[0], reduce=inner.reduce, bias_node=add.name)
     return None

@@ -10,9 +10,10 @@ import onnx
 from ..errors import HeadNotFoundError
 from ._records import jsonable
 from .groups import ChannelGroup, find_channel_groups
-from .head import Head, find_head
+from .head import Head, find_head, find_head_candidates
 from .index import GraphIndex
 from .layers import Layer, find_layers, get_layer
+from .verify import find_verified_head
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class Structure:
         flops: sum of the layers' FLOPs (2 × MACs); None if any layer's is unknown.
         flops_known: the sum over layers whose FLOPs are known.
         notes: what was skipped or assumed.
+        head_candidates: names of the nodes that could be a head (listed even when no
+            head is found: name one with --head NODE).
     """
 
     head: Head | None
@@ -56,6 +59,7 @@ class Structure:
     flops: int | None
     flops_known: int
     notes: tuple[str, ...] = ()
+    head_candidates: tuple[str, ...] = ()
 
     def get_layer(self, node_name: str) -> Layer:
         """The layer called ``node_name``; raises KeyError listing available names."""
@@ -65,20 +69,24 @@ class Structure:
         """JSON-able dict (head weight/bias summarised unless ``arrays``)."""
         d = {k: jsonable(getattr(self, k)) for k in (
             "layers", "groups", "inputs", "outputs", "opset", "ir_version", "n_params",
-            "n_params_layers", "flops", "flops_known", "notes")}
+            "n_params_layers", "flops", "flops_known", "notes", "head_candidates")}
         d["head"] = None if self.head is None else self.head.to_dict(arrays=arrays)
         return d
 
 
 def analyze_structure(model: onnx.ModelProto, *, head: str | None = None,
-                      features: str | None = None, require_head: bool = True) -> Structure:
+                      features: str | None = None, require_head: bool = True,
+                      feeds: dict | None = None, providers=None) -> Structure:
     """Head, layers, channel groups and totals of ``model``; never modifies it.
 
     Args:
-        model: a loaded model (see :func:`onnxdiag.model_io.load_model`).
+        model: a loaded model (see :func:`onnxdiag.model.io.load_model`).
         head, features: overrides passed to :func:`find_head`.
         require_head: when False a model without a head gives ``head=None`` and a note
             instead of raising.
+        feeds: one batch ({input name: array}); when given the head is found by
+            verification on it (:func:`onnxdiag.graph.verify.find_verified_head`, run on
+            ``providers``), else without data (:func:`find_head`).
 
     Raises:
         HeadNotFoundError: no head (only when ``require_head``).
@@ -86,7 +94,8 @@ def analyze_structure(model: onnx.ModelProto, *, head: str | None = None,
     index = GraphIndex(model)
     notes = []
     try:
-        found = find_head(index, head=head, features=features)
+        found = find_head(index, head=head, features=features) if feeds is None else \
+            find_verified_head(index, feeds, head=head, features=features, providers=providers)
     except HeadNotFoundError as exc:
         if require_head:
             raise
@@ -104,7 +113,8 @@ def analyze_structure(model: onnx.ModelProto, *, head: str | None = None,
         outputs=tuple(_info(index, n) for n in index.outputs),
         opset=index.opset, ir_version=int(model.ir_version),
         n_params=_count_params(index), n_params_layers=sum(la.n_params for la in layers),
-        flops=None if unknown else known, flops_known=known, notes=tuple(notes))
+        flops=None if unknown else known, flops_known=known, notes=tuple(notes),
+        head_candidates=tuple(find_head_candidates(index)))
 
 
 def _info(index: GraphIndex, name: str) -> TensorInfo:

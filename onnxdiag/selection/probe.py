@@ -6,8 +6,9 @@ from dataclasses import dataclass, field
 
 from ..errors import DataError
 from ..evaluate import Evaluation, evaluate, head_arrays, make_head_runner
+from ..graph.verify import verify_head_on
 from ..runtime.runner import OrtRunner, single_threaded_blas
-from .readouts import ReadoutAccumulator, Readouts, verify_head
+from .readouts import ReadoutAccumulator, Readouts
 
 #: ``--targets auto``: true labels when the probe data has them, else pseudo-labels.
 TARGET_CHOICES = ("auto", "labels", "pseudo", "expected")
@@ -27,16 +28,25 @@ def resolve_targets(targets: str, has_labels: bool) -> str:
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """Readouts of one model on one probe batch, the head check, optional evaluation."""
+    """Readouts of one model on one probe batch, the head check, optional evaluation.
+
+    ``head_rel_error``: |Z Wᵀ + b − U|_F / |U|_F on the first batch; ``head_relation``:
+    the verified output = relation(U) ("identity", "softmax", …; None when the head reaches
+    no output) and ``head_relation_error`` its relative error, both ≤ 1e-4 (§A1).
+    """
 
     readouts: Readouts
     head_node: str
     head_rel_error: float
     evaluation: Evaluation | None = None
     data: dict = field(default_factory=dict)
+    head_relation: str | None = None
+    head_relation_error: float | None = None
 
     def to_dict(self) -> dict:
         return {"head_node": self.head_node, "head_rel_error": self.head_rel_error,
+                "head_relation": self.head_relation,
+                "head_relation_error": self.head_relation_error,
                 "readouts": self.readouts.to_dict(),
                 "evaluation": None if self.evaluation is None else self.evaluation.to_dict(),
                 "data": self.data}
@@ -48,23 +58,28 @@ def probe_model(model, structure, probe, *, eval_source=None, targets: str = "au
                 ) -> ProbeResult:
     """Readouts of ``model`` on the DataSource ``probe`` (and accuracy on ``eval_source``).
 
-    The head is verified on the first batch (Z Wᵀ + b ≈ U, rel. error ≤ 1e-4);
-    HeadNotFoundError otherwise. Never modifies ``model``.
+    The head is verified on the first batch (:func:`onnxdiag.graph.verify.verify_head_on`:
+    Z Wᵀ + b ≈ U and output = relation(U), relative errors ≤ 1e-4); HeadNotFoundError with
+    the measured mismatch otherwise. Never modifies ``model``.
     """
     head = structure.head
     runner = runner or make_head_runner(model, head, providers=providers, threads=threads)
     targets = resolve_targets(targets, probe.has_labels)
     acc = ReadoutAccumulator(head.weight, head.bias, targets=targets, include_bias=include_bias,
                              norm=norm, n_params=structure.n_params)
-    rel_error = None
+    checked = None
     names = [head.features, head.logits]
+    names += [n for n in (head.scores,) if n and n in runner.output_names and n not in names]
     with single_threaded_blas():  # small per-batch products between ORT runs
         for batch, outputs in runner.stream(probe, names, label=label):
+            if checked is None:
+                checked = verify_head_on(model, head, batch.feeds, providers=providers,
+                                         values=outputs)
             Z, U = head_arrays(outputs, head)
-            if rel_error is None:
-                rel_error = verify_head(Z, U, head.weight, head.bias, node_name=head.node_name)
             acc.update(Z, U, batch.labels if targets == "labels" or probe.has_labels else None)
         evaluation = evaluate(runner, head, eval_source)
     return ProbeResult(readouts=acc.result(), head_node=head.node_name,
-                       head_rel_error=float(rel_error or 0.0), evaluation=evaluation,
-                       data=probe.describe())
+                       head_rel_error=float(checked.rel_error if checked else 0.0),
+                       evaluation=evaluation, data=probe.describe(),
+                       head_relation=checked.relation if checked and checked.output else None,
+                       head_relation_error=checked.relation_error if checked else None)

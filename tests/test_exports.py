@@ -1,0 +1,69 @@
+"""Head discovery + verification on real converter exports (tests/exports.py).
+
+Oracle: the features Z and logits U the source framework computed (a torch forward hook on
+the head module, the hidden activations of scikit-learn's MLP from its coefficients, the
+NumPy forward pass of the onnx.helper model) against Z, U read through the verified head.
+Each export is skipped when its converter is not installed.
+"""
+
+from __future__ import annotations
+
+import exports
+import numpy as np
+import pytest
+
+from onnxdiag.evaluate import head_arrays
+from onnxdiag.graph import GraphIndex, find_head
+from onnxdiag.graph.verify import TOLERANCE, find_verified_head, run_exposed
+from onnxdiag.model.io import load_model
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning",
+                                        "ignore::FutureWarning")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("exports")
+
+
+def _check_head(export, model):
+    head = find_verified_head(model, export.feeds)
+    if export.head_node:
+        assert head.node_name == export.head_node
+    assert head.op_type == export.head_op and head.relation == export.relation
+    assert head.rel_error <= TOLERANCE and head.relation_error <= TOLERANCE
+    static = find_head(model)  # found without data too, the same node
+    assert (static.node_name, static.features) == (head.node_name, head.features)
+    return head
+
+
+@pytest.mark.parametrize("name", sorted(set(exports.BUILDERS) - {"qdq_int8"}))
+def test_export_head_is_verified_with_the_right_features(name, folder):
+    export = exports.BUILDERS[name](folder)
+    model = load_model(export.path)
+    head = _check_head(export, model)
+    z, u = head_arrays(run_exposed(model, export.feeds, [head.features, head.logits]), head)
+    np.testing.assert_allclose(z, export.features, atol=export.atol, rtol=1e-4)
+    np.testing.assert_allclose(u, export.logits, atol=export.atol, rtol=1e-4)
+    node = GraphIndex(model).node_by_name[head.node_name]
+    assert head.features == node.input[0] or head.features_reduce == "token"
+    if name == "hf_gpt2":  # head on every token, then the last non-pad token picked
+        assert head.features_reduce == "token" and head.logits == "logits"
+        assert head.features == node.input[0]
+
+
+def test_qdq_int8_head_weight_comes_through_dequantize_linear(folder):
+    export = exports.qdq_int8(folder)
+    model = load_model(export.path)
+    head = _check_head(export, model)
+    index = GraphIndex(model)
+    node = index.node_by_name[head.node_name]
+    weight_src = index.producer[node.input[1]]
+    assert weight_src.op_type == "DequantizeLinear"
+    assert index.initializers[weight_src.input[0]].data_type == 3  # int8
+    assert index.producer[head.features].op_type == "DequantizeLinear"
+    assert head.path == ("QuantizeLinear", "DequantizeLinear")
+    float_head = find_head(load_model(export.notes["float"].path))
+    step = np.abs(float_head.weight).max() / 127  # one int8 step of the symmetric weights
+    assert np.abs(head.weight - float_head.weight).max() <= step
+    assert np.abs(head.weight - float_head.weight).max() > 0  # really quantized
