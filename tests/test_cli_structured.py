@@ -59,8 +59,8 @@ def test_prune_channels_writes_a_smaller_model_sidecar_and_plan(tiny, tmp_path):
     assert corpus.run_ort(small, feeds)["logits"].shape == (2, corpus.N_CLASSES)
     side = json.loads((tmp_path / "small.onnx.json").read_text())
     assert 0 < side["flops_ratio"] < 1 and 0 < side["params_ratio"] < 1
-    assert set(side["latency_cpu"]["pruned_ms"]) == {"1", "32"}
-    assert side["accuracy_before"]["accuracy"] is not None
+    assert set(side["latency_ms"]["emitted"]) == {"1", "32"}
+    assert side["accuracy"]["source"]["accuracy"] is not None
     assert side["plan"]["score"] == "two_axis" and side["emitted"]["file_bytes"] > 0
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["schema"].startswith("onnxdiag.plan/")
@@ -223,7 +223,7 @@ def test_prune_channels_recalibrate_bn_sets_the_pruned_models_bn_statistics(tiny
     bns = [n for n in small.graph.node if n.op_type == "BatchNormalization"]
     assert len(side["recalibration"]["bns"]) == len(bns) > 0
     assert side["recalibration"]["n_images"] == 160
-    assert 0 <= side["accuracy_before_recovery"]["accuracy"] <= 1
+    assert 0 <= side["accuracy"]["before_recovery"]["accuracy"] <= 1
     x = np.load(data)["x"]
     index = GraphIndex(small)
     outs = corpus.run_ort(small, {"x": x}, [b.input[0] for b in bns])
@@ -256,8 +256,9 @@ def test_prune_sweep_recalibrate_bn_is_an_after_curve(tiny, tmp_path):
     assert one.exit_code == 0, one.output
     side = json.loads((tmp_path / "m.onnx.json").read_text())
     cell = next(r for r in sweep["rows"] if r["score"] == "magnitude")
-    assert cell["accuracy_after"] == pytest.approx(side["accuracy_after"]["accuracy"])
-    assert cell["accuracy_before"] == pytest.approx(side["accuracy_before_recovery"]["accuracy"])
+    assert cell["accuracy_after"] == pytest.approx(side["accuracy"]["emitted"]["accuracy"])
+    assert cell["accuracy_before"] == pytest.approx(
+        side["accuracy"]["before_recovery"]["accuracy"])
     assert "after recovery (BN recalibration)" in (tmp_path / "sw" / "report.txt").read_text()
 
 
@@ -375,7 +376,7 @@ def test_prune_channels_recalibrate_then_finetune(training, tiny, tmp_path):
                "--eval-data", data, "--recalibrate-bn", "-o", tmp_path / "bn.onnx",
                "--out", tmp_path / "rep_bn")
     assert only.exit_code == 0, only.output
-    recalibrated = json.loads((tmp_path / "bn.onnx.json").read_text())["accuracy_after"]
+    recalibrated = json.loads((tmp_path / "bn.onnx.json").read_text())["accuracy"]["emitted"]
     assert side["finetune"]["accuracy_before"] == pytest.approx(recalibrated["accuracy"])
     text = (tmp_path / "rep" / "report.txt").read_text()
     assert "after BN recalibration + fine-tuning" in text
