@@ -83,22 +83,29 @@ def pruned_structure(pruned, structure, head):
     tensor the user named (``head``: the HeadChoice), as the source was."""
     from ..graph import analyze_structure
 
-    return analyze_structure(pruned, head=structure.head.node_name, features=head.features)
+    name = structure.head.node_name if structure.head is not None else None
+    return analyze_structure(pruned, head=name, features=head.features,
+                             require_head=name is not None)
 
 
 def recalibrate_pruned(model, calib, providers, dense, structure, removed, *, threads=None,
-                       cache: dict | None = None) -> tuple:
+                       cache: dict | None = None, features: str | None = None) -> tuple:
     """(model with every BN recalibrated on ``calib``, the record as a dict); convs without
     BN are re-standardised to the ``dense`` model's statistics of the channels they keep
     (``structure`` of the dense model, the plan's ``removed`` channels). ``cache``: a dict
     kept across calls on the same dense model and data (a sweep's cells), holding the
-    calibration batches and the dense statistics once."""
+    calibration batches and the dense statistics once. ``features``: the features tensor
+    the head was named with (``--features``), if any."""
     from ..model.finalize import finalize_model
     from ..sparsity.repair import collect_batches, conv_output_moments, recalibrate_batchnorm
     from ..structured import kept_output_channels
 
     cache = {} if cache is None else cache
     head = structure.head.node_name if structure.head is not None else None
+    if features is not None and structure.head.op_type != "Conv":
+        # The repair finds the head again from its node name alone, which fails when the
+        # features had to be named; it only needs the head to leave a Conv head alone.
+        head = None
     if "batches" not in cache:
         cache["batches"] = collect_batches(calib, None)
         cache["dense"] = conv_output_moments(dense, cache["batches"], head=head,

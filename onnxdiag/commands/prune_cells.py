@@ -86,7 +86,8 @@ def _sweep_cell(cell, model_bytes: bytes, ctx: SweepCells) -> dict:
     if ctx.recovery.recalibrate_bn:
         cache = _CELL_CACHE.setdefault((ctx.token, "recalibration"), {})
         pruned = recalibrate_pruned(pruned, calib, ctx.providers, m, structure, plan.removed,
-                                    threads=ctx.threads, cache=cache)[0]
+                                    threads=ctx.threads, cache=cache,
+                                    features=ctx.head.features)[0]
         if not ctx.recovery.finetune:
             row["accuracy_after"] = _accuracy(pruned, p_struct, evaluation, ctx)
     if ctx.recovery.finetune:

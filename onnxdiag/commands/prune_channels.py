@@ -90,22 +90,23 @@ def prune_channels_report(model, *, output, data=None, eval_data=None, train_dat
     from ..model.io import get_input_specs, load_model
 
     m = load_model(model)
-    structure = analyze_structure(m, head=head.head, features=head.features)
     specs = get_input_specs(m)
     calib, evaluation = open_request(data, specs), open_request(eval_data, specs)
-    if options.plan is not None:
-        the_plan, structure, head = _replay(m, options.plan, head)
+    train = open_request(train_data, specs) if recovery.finetune else None
+    if options.plan is not None:  # the plan names its head (and features)
+        the_plan, structure, head = _replay(m, options.plan)
         notes = []
     else:
+        structure = analyze_structure(m, head=head.head, features=head.features)
         the_plan, notes = _new_plan(m, structure, calib, options, head, runtime)
-    pruned, record, steps = _prune_and_recover(
-        m, structure, the_plan, (calib, evaluation, train_data), recovery,
+    pruned, p_struct, record, steps = _prune_and_recover(
+        m, structure, the_plan, (calib, evaluation, train), recovery,
         (options.seed, head, runtime))
-    section = _measure(model, m, structure, pruned, record, the_plan, (calib, evaluation),
-                       head, runtime)
+    section = _measure(model, (m, structure), (pruned, p_struct), record, the_plan,
+                       (calib, evaluation), runtime)
     section["accuracy"]["before_recovery"] = steps.pop("before_recovery")
     section.update(steps, notes=notes + section["notes"] + _width_notes(
-        record, pruned_structure(pruned, structure, head), the_plan.settings.get("round_to")))
+        record, p_struct, the_plan.settings.get("round_to")))
     feeds = dict(example_input(specs, evaluation or calib)[:8])
     info = _emit(pruned, output, model, section, protect, feeds)
     if options.plan_out:
@@ -113,7 +114,8 @@ def prune_channels_report(model, *, output, data=None, eval_data=None, train_dat
 
         save_plan(the_plan, options.plan_out)
     meta = build_metadata(command=COMMAND, model_path=model, model_hash=info["source"]["sha256"],
-                          data=describe_sources(calibration=calib, evaluation=evaluation),
+                          data=describe_sources(calibration=calib, evaluation=evaluation,
+                                                training=train),
                           parameters=_parameters(output, options, recovery, head, runtime,
                                                  data=data, eval_data=eval_data,
                                                  train_data=train_data))
@@ -172,7 +174,7 @@ def _check_outputs(output, plan_out, protect, overwrite: bool) -> None:
 
 
 # -- the plan ---------------------------------------------------------------------------------
-def _replay(m, path, head: HeadChoice):
+def _replay(m, path):
     """(the plan of ``path``, checked to be this model's; the structure it was made on;
     its HeadChoice)."""
     from ..structured import load_plan
@@ -222,43 +224,44 @@ def the_groups(structure, plan) -> dict:
 
 # -- prune, recover, measure ------------------------------------------------------------------
 def _prune_and_recover(m, structure, plan, sources, recovery: Recovery, how):
-    """(the pruned and recovered model, the PruneRecord, {accuracy before recovery,
-    recalibration, finetune}); ``sources`` = (calib, evaluation, train request), ``how`` =
-    (seed, head choice, runtime)."""
+    """(the pruned and recovered model, its structure, the PruneRecord, {accuracy before
+    recovery, recalibration, finetune}); ``sources`` = (calib, evaluation, train), ``how``
+    = (seed, head choice, runtime)."""
     from ..evaluate import evaluate
     from ..model.finalize import finalize_model
-    from ..model.io import get_input_specs
     from ..structured.plan import prune_planned
 
-    calib, evaluation, train_request = sources
+    calib, evaluation, train = sources
     seed, head, runtime = how
     pruned, record = prune_planned(m, structure, plan.removed)
     pruned = finalize_model(pruned)
-    p_head = pruned_structure(pruned, structure, head).head
+    p_struct = pruned_structure(pruned, structure, head)
+    p_head = p_struct.head
     steps = {"before_recovery": None if recovery.steps is None else _dict(evaluate(
         pruned, p_head, evaluation, providers=runtime.providers)), "recalibration": None,
         "finetune": None}
     if recovery.recalibrate_bn:
         pruned, steps["recalibration"] = recalibrate_pruned(
-            pruned, calib, runtime.providers, m, structure, plan.removed)
+            pruned, calib, runtime.providers, m, structure, plan.removed,
+            features=head.features)
     if recovery.finetune:
-        train = train_request.open(get_input_specs(m))
         pruned, ft = finetune_pruned(pruned, train, recovery, seed=seed,
                                      head=HeadChoice(p_head.node_name, head.features),
                                      evaluation=evaluation)
         pruned, steps["finetune"] = finalize_model(pruned), ft.to_dict()
-    return pruned, record, steps
+    return pruned, p_struct, record, steps
 
 
-def _measure(path, m, structure, pruned, record, plan, sources, head, runtime) -> dict:
-    """The section's measurements: source, comparison, latency, accuracy, notes."""
+def _measure(path, source, emitted, record, plan, sources, runtime) -> dict:
+    """The section's measurements: source, comparison, latency, accuracy, notes;
+    ``source`` / ``emitted``: (model, structure)."""
     from ..evaluate import compare_models, evaluate, make_head_runner
     from ..model.io import get_input_specs, model_hash
     from ..runtime.latency import measure_latency
 
+    (m, structure), (pruned, p_struct) = source, emitted
     calib, evaluation = sources
     verify = evaluation or calib
-    p_struct = pruned_structure(pruned, structure, head)
     comparison = None if verify is None else {**compare_models(
         make_head_runner(m, structure.head, providers=runtime.providers),
         make_head_runner(pruned, p_struct.head, providers=runtime.providers), verify,

@@ -234,7 +234,7 @@ def _dense(m, structure, sources, recovery: Recovery, seed, head, runtime) -> tu
     if recovery.steps is None:
         return dense, None
     recovered = m if not recovery.recalibrate_bn else recalibrate_pruned(
-        m, calib, runtime.providers, m, structure, {})[0]
+        m, calib, runtime.providers, m, structure, {}, features=head.features)[0]
     if recovery.finetune:
         choice = HeadChoice(structure.head.node_name, head.features)
         return dense, finetune_pruned(recovered, train, recovery, seed=seed, head=choice,

@@ -15,6 +15,10 @@ MODEL_SCORES = ("magnitude", "bn_scale", "random")
 STAT_SCORES = ("ix", "relevance", "two_axis", "peer")
 
 
+#: Target T of the channel statistics (docs/METHODS.md §B3).
+TARGETS = ("auto", "labels", "pseudo")
+
+
 SCORES = MODEL_SCORES + STAT_SCORES
 
 
