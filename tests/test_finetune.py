@@ -221,3 +221,18 @@ def test_exported_model_has_the_lower_training_loss(tuned_chain):
     before, after = _cross_entropy(model, source), _cross_entropy(tuned, source)
     assert after < before
     assert after < record.epoch_losses[0]  # the exported weights carry the training
+
+
+def test_finetune_with_a_head_named_by_its_features(training):
+    """A head found only with head= and features= (named_head_model): its logits define
+    the loss and are what the exported model was trained on."""
+    from structured_data import named_head_model
+
+    model = named_head_model()
+    source = learnable_source(model)
+    tuned, record = finetune_model(model, source, FinetuneSettings(epochs=2, max_batches=8,
+                                                                   lr=1e-2),
+                                   head="head", features="feat", eval_source=source)
+    assert record.logits == "head" and "head.weight" in record.trainable
+    assert record.eval_loss_after < record.eval_loss_before
+    assert record.export_max_abs_diff < 1e-5

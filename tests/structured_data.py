@@ -1,4 +1,8 @@
-"""A classifier whose head must be named with --head and --features (Paddle-style export).
+"""Models and data files of the structured-pruning tests.
+
+:func:`write_tiny`: corpus.residual_block with learnable labelled data.
+:func:`named_head_model`: a classifier whose head must be named with --head and --features
+(Paddle-style export):
 
 c0 (3→8, 3×3) → bn → Relu → c1 (8→16, 3×3) → bn → Relu → GlobalAveragePool → Squeeze
 "feat" whose axes are computed at run time ([2, 3] + 0 from the data), so the rank of
@@ -11,10 +15,34 @@ prunable, {c1} not (the ReduceMin of the axes computation reads every channel), 
 
 from __future__ import annotations
 
+import corpus
 import numpy as np
 import onnx
 from corpus import N_CLASSES
 from onnx import TensorProto, helper, numpy_helper
+
+from onnxdiag.model.io import save_model
+
+
+def write_tiny(folder):
+    """(model path, data path): residual_block saved to disk with learnable labelled data
+    (labels = argmax of a fixed projection of the channel means), 160 samples."""
+    path = save_model(corpus.residual_block(), folder / "model.onnx")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((160, 3, 8, 8)).astype(np.float32)
+    x += rng.standard_normal((160, 3, 1, 1)).astype(np.float32)
+    labels = (x.mean(axis=(2, 3)) @ rng.standard_normal((3, corpus.N_CLASSES))).argmax(1)
+    np.savez(folder / "data.npz", x=x, labels=labels)
+    return path, folder / "data.npz"
+
+
+def write_named(folder):
+    """(model path, data path): named_head_model with 96 random labelled samples."""
+    path = save_model(named_head_model(), folder / "model.onnx")
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((96, 3, 8, 8)).astype(np.float32)
+    np.savez(folder / "data.npz", x=x, labels=rng.integers(0, N_CLASSES, 96))
+    return path, folder / "data.npz"
 
 
 def named_head_model(seed: int = 0) -> onnx.ModelProto:
