@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 import pytest
 from cli_helpers import assert_user_error, run
+from structured_data import write_named, write_tiny
 
 import onnxdiag.commands.prune_sweep as prune_report
 from onnxdiag.commands.prune_sweep import normalized_auc
@@ -27,14 +28,14 @@ def tiny(tmp_path_factory):
     """residual_block saved to disk with learnable labelled data (labels = argmax of a fixed
     projection of the channel means)."""
     folder = tmp_path_factory.mktemp("tiny")
-    model = corpus.residual_block()
-    path = save_model(model, folder / "model.onnx")
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((160, 3, 8, 8)).astype(np.float32)
-    x += rng.standard_normal((160, 3, 1, 1)).astype(np.float32)
-    labels = (x.mean(axis=(2, 3)) @ rng.standard_normal((3, corpus.N_CLASSES))).argmax(1)
-    np.savez(folder / "data.npz", x=x, labels=labels)
-    return folder, path, folder / "data.npz"
+    return (folder, *write_tiny(folder))
+
+
+@pytest.fixture(scope="module")
+def named(tmp_path_factory):
+    """named_head_model (its head needs --head head --features feat) with labelled data."""
+    folder = tmp_path_factory.mktemp("named")
+    return (folder, *write_named(folder))
 
 
 def test_help_lists_the_options():
@@ -59,8 +60,8 @@ def test_prune_channels_writes_a_smaller_model_sidecar_and_plan(tiny, tmp_path):
     assert corpus.run_ort(small, feeds)["logits"].shape == (2, corpus.N_CLASSES)
     side = json.loads((tmp_path / "small.onnx.json").read_text())
     assert 0 < side["flops_ratio"] < 1 and 0 < side["params_ratio"] < 1
-    assert set(side["latency_cpu"]["pruned_ms"]) == {"1", "32"}
-    assert side["accuracy_before"]["accuracy"] is not None
+    assert set(side["latency_ms"]["emitted"]) == {"1", "32"}
+    assert side["accuracy"]["source"]["accuracy"] is not None
     assert side["plan"]["score"] == "two_axis" and side["emitted"]["file_bytes"] > 0
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["schema"].startswith("onnxdiag.plan/")
@@ -223,7 +224,7 @@ def test_prune_channels_recalibrate_bn_sets_the_pruned_models_bn_statistics(tiny
     bns = [n for n in small.graph.node if n.op_type == "BatchNormalization"]
     assert len(side["recalibration"]["bns"]) == len(bns) > 0
     assert side["recalibration"]["n_images"] == 160
-    assert 0 <= side["accuracy_before_recovery"]["accuracy"] <= 1
+    assert 0 <= side["accuracy"]["before_recovery"]["accuracy"] <= 1
     x = np.load(data)["x"]
     index = GraphIndex(small)
     outs = corpus.run_ort(small, {"x": x}, [b.input[0] for b in bns])
@@ -256,8 +257,9 @@ def test_prune_sweep_recalibrate_bn_is_an_after_curve(tiny, tmp_path):
     assert one.exit_code == 0, one.output
     side = json.loads((tmp_path / "m.onnx.json").read_text())
     cell = next(r for r in sweep["rows"] if r["score"] == "magnitude")
-    assert cell["accuracy_after"] == pytest.approx(side["accuracy_after"]["accuracy"])
-    assert cell["accuracy_before"] == pytest.approx(side["accuracy_before_recovery"]["accuracy"])
+    assert cell["accuracy_after"] == pytest.approx(side["accuracy"]["emitted"]["accuracy"])
+    assert cell["accuracy_before"] == pytest.approx(
+        side["accuracy"]["before_recovery"]["accuracy"])
     assert "after recovery (BN recalibration)" in (tmp_path / "sw" / "report.txt").read_text()
 
 
@@ -375,7 +377,20 @@ def test_prune_channels_recalibrate_then_finetune(training, tiny, tmp_path):
                "--eval-data", data, "--recalibrate-bn", "-o", tmp_path / "bn.onnx",
                "--out", tmp_path / "rep_bn")
     assert only.exit_code == 0, only.output
-    recalibrated = json.loads((tmp_path / "bn.onnx.json").read_text())["accuracy_after"]
+    recalibrated = json.loads((tmp_path / "bn.onnx.json").read_text())["accuracy"]["emitted"]
     assert side["finetune"]["accuracy_before"] == pytest.approx(recalibrated["accuracy"])
     text = (tmp_path / "rep" / "report.txt").read_text()
     assert "after BN recalibration + fine-tuning" in text
+
+
+def test_prune_channels_finetune_with_a_named_head_and_features(training, named, tmp_path):
+    """Fine-tuning analyses the pruned model with the named head and features too."""
+    folder, model, data = named
+    result = run("prune-channels", model, "--head", "head", "--features", "feat", "--score",
+                 "magnitude", "--eval-data", data, "--finetune", "--train-data", data,
+                 "--epochs", 1, "--max-batches", 2, "--lr", 1e-3, "-o", tmp_path / "ft.onnx",
+                 "--out", tmp_path / "rep")
+    assert result.exit_code == 0, result.output
+    side = json.loads((tmp_path / "ft.onnx.json").read_text())
+    assert side["finetune"]["steps"] == 2 and side["finetune"]["logits"] == "head"
+    assert side["accuracy"]["before_recovery"]["n_samples"] == 96

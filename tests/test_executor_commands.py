@@ -11,8 +11,9 @@ import onnxdiag.channels.moments as moments
 from onnxdiag.channels.collect import collect_channel_moments, collect_channel_moments_sharded
 from onnxdiag.cli import cli
 from onnxdiag.commands.base import DataRequest, ReportTarget, Runtime
+from onnxdiag.commands.channel_pruning import Recovery
 from onnxdiag.commands.channels import ChannelsOptions, channels_report
-from onnxdiag.commands.prune_sweep import prune_sweep_report
+from onnxdiag.commands.prune_sweep import PruneSweepOptions, prune_sweep_report
 from onnxdiag.data.sample import get_sample
 from onnxdiag.data.source import open_data
 from onnxdiag.errors import OnnxDiagError
@@ -189,14 +190,20 @@ def small_eval(tmp_path_factory):
     return str(path)
 
 
-SWEEP = dict(data=CALIB, limit=192, ratios=[0.25, 0.5], scores=["magnitude", "two_axis"],
-             write=False, progress=False)
+SWEEP = dict(data=DataRequest(CALIB, limit=192),
+             options=PruneSweepOptions(ratios=(0.25, 0.5), scores=("magnitude", "two_axis")),
+             report=ReportTarget(write=False))
+
+
+def _on(executor=None, jobs=None) -> Runtime:
+    return Runtime(executor=executor, jobs=jobs, progress=False)
 
 
 def test_prune_sweep_on_ray_equals_local(ray_executor, small_eval):
-    local = prune_sweep_report(str(SAMPLE.model), eval_data=small_eval, **SWEEP).report
+    local = prune_sweep_report(str(SAMPLE.model), eval_data=small_eval, runtime=_on(),
+                               **SWEEP).report
     on_ray = prune_sweep_report(str(SAMPLE.model), eval_data=small_eval,
-                                executor=ray_executor, **SWEEP).report
+                                runtime=_on(ray_executor), **SWEEP).report
     a, b = local["prune_sweep"], on_ray["prune_sweep"]
     assert len(a["rows"]) == 4 and a["failed"] == b["failed"] == []
     assert json.dumps(a["rows"], sort_keys=True) == json.dumps(b["rows"], sort_keys=True)
@@ -214,9 +221,11 @@ def test_prune_sweep_failed_cell_is_reported_others_kept(small_eval, monkeypatch
             raise OnnxDiagError("no memory left for this cell")
         return plan(model, structure, scores, ratio, **kw)
 
-    good = prune_sweep_report(str(SAMPLE.model), eval_data=small_eval, jobs=1, **SWEEP)
+    good = prune_sweep_report(str(SAMPLE.model), eval_data=small_eval, runtime=_on(jobs=1),
+                              **SWEEP)
     monkeypatch.setattr(structured, "plan_pruning", broken)
-    res = prune_sweep_report(str(SAMPLE.model), eval_data=small_eval, jobs=1, **SWEEP)
+    res = prune_sweep_report(str(SAMPLE.model), eval_data=small_eval, runtime=_on(jobs=1),
+                             **SWEEP)
     sec, ref = res.report["prune_sweep"], good.report["prune_sweep"]
     assert sec["failed"] == [{"score": "two_axis", "ratio": 0.5,
                               "error": "no memory left for this cell"}]
@@ -231,12 +240,14 @@ def test_prune_sweep_recalibrated_cells_equal_on_local_workers_and_ray(ray_execu
                                                                       small_eval):
     """--recalibrate-bn on 2 local worker processes (each reads the calibration file
     itself) and on Ray (shipped once) gives the cells of the in-process sweep."""
-    args = dict(SWEEP, scores=["magnitude"], recalibrate_bn=True)
-    here = prune_sweep_report(str(SAMPLE.model), eval_data=small_eval, **args).report
-    workers = prune_sweep_report(str(SAMPLE.model), eval_data=small_eval, jobs=2,
+    args = dict(SWEEP, options=PruneSweepOptions(ratios=(0.25, 0.5), scores=("magnitude",)),
+                recovery=Recovery(recalibrate_bn=True))
+    here = prune_sweep_report(str(SAMPLE.model), eval_data=small_eval, runtime=_on(),
+                              **args).report
+    workers = prune_sweep_report(str(SAMPLE.model), eval_data=small_eval, runtime=_on(jobs=2),
                                  **args).report
     on_ray = prune_sweep_report(str(SAMPLE.model), eval_data=small_eval,
-                                executor=ray_executor, **args).report
+                                runtime=_on(ray_executor), **args).report
     rows = here["prune_sweep"]["rows"]
     assert all(r["accuracy_after"] is not None for r in rows)
     for other in (workers, on_ray):

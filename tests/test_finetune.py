@@ -19,7 +19,7 @@ from onnx import numpy_helper
 
 from onnxdiag.data.source import open_data
 from onnxdiag.errors import DataError, MissingExtraError, OnnxDiagError
-from onnxdiag.finetune import INSTALL_HINT, FinetuneRecord, finetune_model
+from onnxdiag.finetune import INSTALL_HINT, FinetuneRecord, FinetuneSettings, finetune_model
 from onnxdiag.model.io import get_input_specs
 
 N_SAMPLES, BATCH = 256, 32  # 8 batches per pass over the data
@@ -72,7 +72,8 @@ def tuned_chain(training):
     model = conv_bn_chain()
     before = model.SerializeToString()
     source = learnable_source(model)
-    tuned, record = finetune_model(model, source, epochs=3, max_batches=8, lr=1e-2,
+    tuned, record = finetune_model(model, source,
+                                   FinetuneSettings(epochs=3, max_batches=8, lr=1e-2),
                                    eval_source=source)
     return model, before, tuned, record, source
 
@@ -141,7 +142,8 @@ def test_record_to_dict_is_json(tuned_chain):
 def test_softmax_output_trains_on_logits_and_keeps_probabilities(training):
     model = softmax_output()
     source = learnable_source(model)
-    tuned, record = finetune_model(model, source, epochs=2, max_batches=8, lr=1e-2)
+    tuned, record = finetune_model(model, source,
+                                   FinetuneSettings(epochs=2, max_batches=8, lr=1e-2))
     assert record.logits == "head" and record.outputs == ("prob",)
     assert [o.name for o in tuned.graph.output] == ["prob"]
     assert "Softmax" in [n.op_type for n in tuned.graph.node]
@@ -152,8 +154,9 @@ def test_softmax_output_trains_on_logits_and_keeps_probabilities(training):
 
 def test_epochs_stop_at_max_batches_and_continue_the_data(training, tmp_path):
     model = conv_bn_chain()
-    tuned, record = finetune_model(model, learnable_source(model), epochs=3, max_batches=5,
-                                   lr=1e-3, optimizer="sgd", workdir=tmp_path)
+    tuned, record = finetune_model(model, learnable_source(model),
+                                   FinetuneSettings(epochs=3, max_batches=5, lr=1e-3,
+                                                    optimizer="sgd"), workdir=tmp_path)
     # 8 batches per pass: 5, then the 3 left in the pass, then 5 from a restarted pass
     assert record.steps == 13 and len(record.epoch_losses) == 3
     assert record.accuracy_before is None and record.accuracy_after is None
@@ -168,8 +171,9 @@ def test_keep_zeros_preserves_a_sparsity_pattern(training):
     for init in model.graph.initializer:
         if init.name == "conv1.weight":
             init.CopyFrom(numpy_helper.from_array(weight, init.name))
-    tuned, record = finetune_model(model, learnable_source(model), epochs=1, max_batches=4,
-                                   lr=1e-2, keep_zeros=True)
+    tuned, record = finetune_model(model, learnable_source(model),
+                                   FinetuneSettings(epochs=1, max_batches=4, lr=1e-2,
+                                                    keep_zeros=True))
     new = initializers(tuned)["conv1.weight"]
     assert not new[::2].any() and not np.allclose(new[1::2], weight[1::2])
 
@@ -178,14 +182,14 @@ def test_bad_labels_and_settings_are_user_errors(training):
     model = conv_bn_chain()
     with pytest.raises(DataError, match="outside the model's 5 classes"):
         finetune_model(model, learnable_source(model, labels=np.full(N_SAMPLES, 7)),
-                       max_batches=1)
+                       FinetuneSettings(max_batches=1))
     unlabelled = open_data({"x": np.zeros((4, 3, 8, 8), np.float32)}, get_input_specs(model))
     with pytest.raises(DataError, match="no labels"):
         finetune_model(model, unlabelled)
     with pytest.raises(OnnxDiagError, match="optimizer must be one of"):
-        finetune_model(model, learnable_source(model), optimizer="lion")
+        finetune_model(model, learnable_source(model), FinetuneSettings(optimizer="lion"))
     with pytest.raises(OnnxDiagError, match="lr must be a positive number"):
-        finetune_model(model, learnable_source(model), lr=0.0)
+        finetune_model(model, learnable_source(model), FinetuneSettings(lr=0.0))
 
 
 def _cross_entropy(model: onnx.ModelProto, source) -> float:
@@ -208,7 +212,7 @@ def test_training_graph_runs_bn_in_inference_mode(training):
     first = open_data({"x": next(source.batches()).feeds["x"],
                        "labels": next(source.batches()).labels}, get_input_specs(model),
                       batch_size=BATCH)
-    _, record = finetune_model(model, first, epochs=1, max_batches=1, lr=1e-3)
+    _, record = finetune_model(model, first, FinetuneSettings(epochs=1, max_batches=1, lr=1e-3))
     assert record.losses[0] == pytest.approx(_cross_entropy(model, first), abs=1e-4)
 
 
@@ -217,3 +221,18 @@ def test_exported_model_has_the_lower_training_loss(tuned_chain):
     before, after = _cross_entropy(model, source), _cross_entropy(tuned, source)
     assert after < before
     assert after < record.epoch_losses[0]  # the exported weights carry the training
+
+
+def test_finetune_with_a_head_named_by_its_features(training):
+    """A head found only with head= and features= (named_head_model): its logits define
+    the loss and are what the exported model was trained on."""
+    from structured_data import named_head_model
+
+    model = named_head_model()
+    source = learnable_source(model)
+    tuned, record = finetune_model(model, source, FinetuneSettings(epochs=2, max_batches=8,
+                                                                   lr=1e-2),
+                                   head="head", features="feat", eval_source=source)
+    assert record.logits == "head" and "head.weight" in record.trainable
+    assert record.eval_loss_after < record.eval_loss_before
+    assert record.export_max_abs_diff < 1e-5

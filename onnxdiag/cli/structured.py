@@ -1,44 +1,61 @@
-"""CLI verbs for structured channel pruning (SPEC B6): prune-channels, prune-sweep.
+"""CLI verbs for structured channel pruning (docs/METHODS.md §B6): prune-channels,
+prune-sweep.
 
-Imported by onnxdiag.cli; each command registers itself on the ``cli`` group.
+Imported by onnxdiag.cli; each command registers itself on the ``cli`` group. Only click
+and the records at import time: the choices below are literal copies of the library's
+(a test keeps them equal), so ``--help`` imports neither numpy nor onnx.
 """
 
 from __future__ import annotations
 
 import click
 
-from ..structured.choice import DEFAULT_ALPHA, DEFAULT_BETA, SCORES
 from . import cli
 from .options import (
     data_options,
     emit_result,
-    executor_option,
-    library_kwargs,
+    head_options,
     output_options,
-    sampling_and_providers,
+    runtime_options,
+    sampling_options,
+    take_records,
 )
 
+#: = onnxdiag.structured.choice.SCORES / TARGETS / DEFAULT_ALPHA, DEFAULT_BETA
+SCORES = ("magnitude", "bn_scale", "random", "ix", "relevance", "two_axis", "peer")
+TARGETS = ("auto", "labels", "pseudo")
+DEFAULT_ALPHA, DEFAULT_BETA = 1.0, 0.25
+#: = onnxdiag.structured.plan.BUDGETS; onnxdiag.commands.prune_sweep.DEFAULT_RATIOS
+BUDGETS = ("uniform", "reference", "global")
+DEFAULT_RATIOS = (0.1, 0.25, 0.5, 0.75)
+#: The keywords of onnxdiag.commands.channel_pruning.Recovery.
+RECOVERY = ("recalibrate_bn", "finetune", "epochs", "lr", "max_batches")
+ROLES = ("", "eval-", "train-")
 
-def _head_options(f):
-    for opt in reversed([
-        click.option("--head", default=None, metavar="NODE",
-                     help="Name of the head node (the last linear layer)."),
-        click.option("--features", default=None, metavar="TENSOR",
-                     help="Name of the penultimate features tensor (the head's input)."),
-        click.option("--targets", type=click.Choice(["auto", "labels", "pseudo"]),
-                     default="auto", show_default=True,
-                     help="Target T of the channel statistics (relevance, two_axis)."),
-        click.option("--alpha", type=float, default=DEFAULT_ALPHA, show_default=True,
-                     help="two_axis = alpha*norm(I_X) - beta*norm(I(T;Y))."),
-        click.option("--beta", type=float, default=DEFAULT_BETA, show_default=True,
-                     help="two_axis weight of the task relevance (SPEC grid 0, .1, .25, .5, 1)."),
-    ]):
+
+def _stack(f, opts):
+    for opt in reversed(opts):
         f = opt(f)
     return f
 
 
-def _finetune_options(f):
-    for opt in reversed([
+def score_options(f):
+    """--targets, --alpha, --beta: how the statistics-based scores are computed."""
+    return _stack(f, [
+        click.option("--targets", type=click.Choice(TARGETS), default="auto",
+                     show_default=True,
+                     help="Target T of the channel statistics (relevance, two_axis)."),
+        click.option("--alpha", type=float, default=DEFAULT_ALPHA, show_default=True,
+                     help="two_axis = alpha*norm(I_X) - beta*norm(I(T;Y))."),
+        click.option("--beta", type=float, default=DEFAULT_BETA, show_default=True,
+                     help="two_axis weight of the task relevance (docs/METHODS.md §B6: "
+                          "grid 0, .1, .25, .5, 1)."),
+    ])
+
+
+def recovery_options(f):
+    """--round-to and the recovery steps (--recalibrate-bn, --finetune and its schedule)."""
+    return _stack(f, [
         click.option("--round-to", default=None, metavar="N|auto",
                      help="Keep a multiple of N channels in every narrowed group (kept "
                           "count rounded up): ONNX Runtime's blocked CPU convs run other "
@@ -51,30 +68,46 @@ def _finetune_options(f):
                           "statistics of the channels they keep. Holds the --data samples "
                           "in memory (use --limit for large sets); runs before --finetune."),
         click.option("--finetune", is_flag=True,
-                     help="Recover accuracy by fine-tuning the pruned ONNX graph "
-                          "(needs the [training] extra in its own environment)."),
-        click.option("--train-data", default=None,
-                     help="Labelled training data for --finetune (same formats as --data)."),
-        click.option("--train-labels", default=None, help="Labels file for --train-data."),
+                     help="Recover accuracy by fine-tuning the pruned ONNX graph on "
+                          "--train-data (needs the [training] extra in its own "
+                          "environment)."),
         click.option("--epochs", type=click.IntRange(min=1), default=5, show_default=True,
                      help="Fine-tuning epochs."),
         click.option("--max-batches", type=click.IntRange(min=1), default=200,
                      show_default=True, help="Most batches per fine-tuning epoch."),
         click.option("--lr", type=float, default=1e-4, show_default=True,
                      help="Adam learning rate of the fine-tuning."),
-    ]):
-        f = opt(f)
-    return f
+    ])
 
 
-def _split(value: str, what: str, convert=str) -> list:
+def data_roles(*, eval_required: bool = False):
+    """--data, --eval-data, --train-data (and their --labels)."""
+    def decorate(f):
+        return _stack(f, [
+            data_options(),
+            data_options("eval-", required=eval_required),
+            data_options("train-", help="Labelled training data for --finetune (same "
+                                        "formats as --data)."),
+        ])
+    return decorate
+
+
+def _split(value: str, what: str, convert=str) -> tuple:
     try:
         items = [convert(v.strip()) for v in value.split(",") if v.strip()]
     except ValueError:
         raise click.BadParameter(f"give comma-separated {what}", param_hint=f"--{what}") from None
     if not items:
         raise click.BadParameter(f"give at least one of the {what}", param_hint=f"--{what}")
-    return items
+    return tuple(items)
+
+
+def _records(kw: dict):
+    """(the shared records, the Recovery record); the rest of ``kw`` is the verb's options."""
+    from ..commands.channel_pruning import Recovery
+
+    rec = take_records(kw, roles=ROLES)
+    return rec, Recovery(**{k: kw.pop(k) for k in RECOVERY})
 
 
 @cli.command("prune-channels")
@@ -82,11 +115,10 @@ def _split(value: str, what: str, convert=str) -> list:
 @click.option("-o", "--output", required=True, help="Where to write the smaller model (.onnx); "
               "a sidecar <output>.json is written beside it.")
 @click.option("--ratio", type=click.FloatRange(0, 1, max_open=True), default=0.5,
-              show_default=True, help="Fraction of each group's channels to remove.")
+              show_default=True, help="Fraction of each group's channels to remove, in (0, 1).")
 @click.option("--score", type=click.Choice(SCORES), default="two_axis", show_default=True,
               help="Channel score (higher = keep); ix, relevance, two_axis and peer need --data.")
-@click.option("--budget", type=click.Choice(["uniform", "global", "reference"]),
-              default="uniform", show_default=True,
+@click.option("--budget", type=click.Choice(BUDGETS), default="uniform", show_default=True,
               help="uniform: the ratio in every group (FLOPs-matched across scores); global: "
                    "one threshold over normalised scores, at most 90 %% per group; reference: "
                    "the per-group counts of --reference (FLOPs-matched with it).")
@@ -96,53 +128,59 @@ def _split(value: str, what: str, convert=str) -> list:
 @click.option("--plan", "plan", default=None,
               help="Replay this plan JSON (hash-checked against MODEL) instead of scoring.")
 @click.option("--plan-out", default=None, help="Also write the plan as JSON.")
-@data_options()
-@data_options("eval-")
-@sampling_and_providers
-@_head_options
-@_finetune_options
+@data_roles()
+@sampling_options
+@runtime_options()
+@head_options
+@score_options
+@recovery_options
 @output_options
-def prune_channels_cmd(model, fmt, **kwargs):
-    """Remove channels physically and write a smaller, faster ONNX model (SPEC B6).
+def prune_channels_cmd(model, output, **kw):
+    """Remove channels physically and write a smaller, faster ONNX model
+    (docs/METHODS.md §B6).
 
     Reports parameters, FLOPs, file size and ONNX Runtime CPU latency (batch 1 and 32)
-    before and after, and top-1 accuracy with --eval-data. Never overwrites MODEL; an
-    existing -o (or --plan-out) file is replaced only with --overwrite.
+    before and after, and top-1 accuracy with --eval-data; says why when no channel can
+    be removed. Never overwrites MODEL; an existing -o (or --plan-out) file is replaced
+    only with --overwrite.
     """
-    from ..commands.prune_channels import prune_channels_report
+    from ..commands.prune_channels import ChannelPruneOptions, prune_channels_report
 
-    emit_result(prune_channels_report(model, **library_kwargs(kwargs)), fmt)
+    rec, recovery = _records(kw)
+    emit_result(prune_channels_report(model, output=output, **rec.library(),
+                                      options=ChannelPruneOptions(**kw), recovery=recovery),
+                rec.fmt)
 
 
 @cli.command("prune-sweep")
 @click.argument("model")
-@click.option("--ratios", default="0.1,0.25,0.5,0.75", show_default=True,
+@click.option("--ratios", default=",".join(map(str, DEFAULT_RATIOS)), show_default=True,
               help="Comma-separated fractions of channels removed.")
 @click.option("--scores", default=",".join(SCORES), show_default=True,
               help="Comma-separated channel scores to compare.")
-@click.option("--budget", type=click.Choice(["uniform", "reference", "global"]),
-              default="uniform", show_default=True,
+@click.option("--budget", type=click.Choice(BUDGETS), default="uniform", show_default=True,
               help="uniform and reference (a global-magnitude allocation shared by every "
                    "score) are FLOPs-matched; global (per-score threshold) is not.")
-@data_options()
-@data_options("eval-", required=True)
-@sampling_and_providers
-@_head_options
-@_finetune_options
-@click.option("--jobs", type=click.IntRange(min=1), default=None,
-              help="Worker processes for the statistics shards and the (score, ratio) cells "
-                   "(default: 1, everything in this process; with ray, CPUs of the local "
-                   "instance).")
-@executor_option
+@data_roles(eval_required=True)
+@sampling_options
+@runtime_options(fan_out=True, units="(score, ratio) cell")
+@head_options
+@score_options
+@recovery_options
 @output_options
-def prune_sweep_cmd(model, fmt, ratios, scores, **kwargs):
-    """Accuracy vs kept-channel fraction per score, before and after recovery (SPEC B6).
+def prune_sweep_cmd(model, ratios, scores, **kw):
+    """Accuracy vs kept-channel fraction per score, before and after recovery
+    (docs/METHODS.md §B6).
 
-    Channel statistics are computed once. Prints a table of top-1 accuracy per
-    (score, fraction), the normalised AUC per score and the best local-axis (ix, peer)
-    minus best target-axis (relevance) AUC; writes report.json, report.txt, sweep.csv.
+    Needs labelled --eval-data. Channel statistics are computed once. Prints a table of
+    top-1 accuracy per (score, fraction), the normalised AUC per score and the best
+    local-axis (ix, peer) minus best target-axis (relevance) AUC; writes report.json,
+    report.txt, sweep.csv.
     """
-    from ..commands.prune_sweep import prune_sweep_report
+    from ..commands.prune_sweep import PruneSweepOptions, prune_sweep_report
 
-    emit_result(prune_sweep_report(model, ratios=_split(ratios, "ratios", float),
-                             scores=_split(scores, "scores"), **library_kwargs(kwargs)), fmt)
+    rec, recovery = _records(kw)
+    options = PruneSweepOptions(ratios=_split(ratios, "ratios", float),
+                                scores=_split(scores, "scores"), **kw)
+    emit_result(prune_sweep_report(model, **rec.library(), options=options, recovery=recovery),
+                rec.fmt)

@@ -1,18 +1,61 @@
-"""Steps shared by the structured verbs ``prune-channels`` and ``prune-sweep``:
-recovery, accuracy."""
+"""What the structured verbs ``prune-channels`` and ``prune-sweep`` share
+(docs/METHODS.md §B6): the :class:`Recovery` record and its steps, the head of a pruned
+model, and why a plan removes nothing."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 from ..errors import OnnxDiagError
 
+# Only the standard library at import time: the CLI builds Recovery before any work.
 
-def evaluate_accuracy(model, structure, source, providers=None):
-    from ..evaluate import evaluate_model, make_head_runner
 
-    if source is None:
-        return None
-    return evaluate_model(make_head_runner(model, structure.head, providers=providers),
-                          structure.head, source).to_dict()
+@dataclass(frozen=True)
+class Recovery:
+    """How a pruned model recovers, in this order (docs/METHODS.md §B6, "Recovery").
+
+    ``recalibrate_bn``: label-free, every BatchNormalization's running statistics
+    re-estimated in the pruned model on the calibration data (convs without BN are
+    re-standardised to the dense statistics of the channels they keep). ``finetune``:
+    fine-tuning of the pruned ONNX graph on the training data (the [training] extra),
+    ``epochs`` of at most ``max_batches`` batches, Adam learning rate ``lr``.
+    """
+
+    recalibrate_bn: bool = False
+    finetune: bool = False
+    epochs: int = 5
+    lr: float = 1e-4
+    max_batches: int = 200
+
+    @property
+    def steps(self) -> str | None:
+        """"BN recalibration", "fine-tuning", both joined by " + ", or None."""
+        names = [name for name, on in (("BN recalibration", self.recalibrate_bn),
+                                       ("fine-tuning", self.finetune)) if on]
+        return " + ".join(names) or None
+
+    def check(self, data, train_data) -> None:
+        """The inputs of the steps asked for, checked before any work (one-line user
+        errors; without the training extra, its install hint)."""
+        if self.recalibrate_bn and data is None:
+            raise OnnxDiagError("--recalibrate-bn needs calibration images for the new BN "
+                                "statistics; pass --data FILE (labels are not needed).")
+        if self.finetune:
+            if train_data is None:
+                raise OnnxDiagError("--finetune needs labelled training data; pass "
+                                    "--train-data FILE.")
+            from ..finetune import import_training
+
+            import_training()
+
+    def settings(self, seed: int):
+        """The :class:`~onnxdiag.finetune.FinetuneSettings` of the fine-tuning step."""
+        from ..finetune import FinetuneSettings
+
+        return FinetuneSettings(epochs=self.epochs, max_batches=self.max_batches,
+                                lr=self.lr, seed=seed)
 
 
 def resolve_round_to(round_to) -> int | None:
@@ -30,33 +73,39 @@ def resolve_round_to(round_to) -> int | None:
                                   f"{round_to!r}.")
 
 
-def check_recovery(recalibrate_bn: bool, data, finetune: bool, train_data) -> None:
-    """The recovery options' inputs, checked before any work (one-line user errors)."""
-    if recalibrate_bn and data is None:
-        raise OnnxDiagError("--recalibrate-bn needs calibration images for the new BN "
-                            "statistics; pass --data FILE (labels are not needed).")
-    if finetune:
-        if train_data is None:
-            raise OnnxDiagError("--finetune needs labelled training data; pass "
-                                "--train-data FILE.")
-        from ..finetune import import_training
+def open_request(request, specs):
+    """The DataSource of a DataRequest for a model's inputs ``specs`` (None stays None)."""
+    return None if request is None else request.open(specs)
 
-        import_training()  # without the training extra: its install hint, before any work
+
+def pruned_structure(pruned, structure, head):
+    """The structure of ``pruned``, analysed with the source's head node and the features
+    tensor the user named (``head``: the HeadChoice), as the source was."""
+    from ..graph import analyze_structure
+
+    name = structure.head.node_name if structure.head is not None else None
+    return analyze_structure(pruned, head=name, features=head.features,
+                             require_head=name is not None)
 
 
 def recalibrate_pruned(model, calib, providers, dense, structure, removed, *, threads=None,
-                 cache: dict | None = None) -> tuple:
+                       cache: dict | None = None, features: str | None = None) -> tuple:
     """(model with every BN recalibrated on ``calib``, the record as a dict); convs without
     BN are re-standardised to the ``dense`` model's statistics of the channels they keep
     (``structure`` of the dense model, the plan's ``removed`` channels). ``cache``: a dict
     kept across calls on the same dense model and data (a sweep's cells), holding the
-    calibration batches and the dense statistics once."""
+    calibration batches and the dense statistics once. ``features``: the features tensor
+    the head was named with (``--features``), if any."""
     from ..model.finalize import finalize_model
     from ..sparsity.repair import collect_batches, conv_output_moments, recalibrate_batchnorm
     from ..structured import kept_output_channels
 
     cache = {} if cache is None else cache
     head = structure.head.node_name if structure.head is not None else None
+    if features is not None and structure.head.op_type != "Conv":
+        # The repair finds the head again from its node name alone, which fails when the
+        # features had to be named; it only needs the head to leave a Conv head alone.
+        head = None
     if "batches" not in cache:
         cache["batches"] = collect_batches(calib, None)
         cache["dense"] = conv_output_moments(dense, cache["batches"], head=head,
@@ -66,3 +115,54 @@ def recalibrate_pruned(model, calib, providers, dense, structure, removed, *, th
         kept_channels=kept_output_channels(structure, removed), head=head,
         dense_moments=cache["dense"], providers=providers, threads=threads)
     return finalize_model(out), record.to_dict()
+
+
+def finetune_pruned(model, train, recovery: Recovery, *, seed: int, head, evaluation=None):
+    """(fine-tuned ``model``, FinetuneRecord) on the DataSource ``train``; ``head``: the
+    pruned model's HeadChoice (node and named features)."""
+    from ..finetune import finetune_model
+
+    return finetune_model(model, train, recovery.settings(seed), head=head.head,
+                          features=head.features, eval_source=evaluation)
+
+
+def removal_reason(structure, *, budget: str, ratio, plan=None) -> str | None:
+    """Why nothing is (``plan`` None: can be) removed from ``structure``'s model, or None.
+
+    Without a plan: no prunable group, or a ``ratio`` that removes ⌊ratio·n⌋ = 0 channels
+    of every group (uniform) or of all channels (global). With the plan made: also a
+    ``round_to`` that kept every group whole and a reference that removes none.
+    """
+    groups, prunable = structure.groups, [g for g in structure.groups if g.prunable]
+    if not groups:
+        return ("the model has no Conv, Gemm or MatMul layer whose output channels could "
+                "be removed")
+    if not prunable:
+        shown = "; ".join(f"group {g.group_id} ({', '.join(g.members[:2])}): {g.reason}"
+                          for g in groups[:3])
+        more = f" (first 3 of {len(groups)})" if len(groups) > 3 else ""
+        return f"no channel group can be pruned{more}: {shown}"
+    reason = _ratio_reason(prunable, budget, ratio)
+    if reason or plan is None or plan.n_removed:
+        return reason
+    round_to = (plan.settings or {}).get("round_to")
+    if round_to:
+        return (f"--round-to {round_to} rounds the kept count of every narrowed group up "
+                "to its full width; use a larger ratio or a smaller --round-to")
+    if plan.budget == "reference":
+        return "the reference allocation removes no channel"
+    return "the plan removes no channel"
+
+
+def _ratio_reason(prunable, budget: str, ratio) -> str | None:
+    if ratio is None or budget not in ("uniform", "global"):
+        return None
+    sizes = [g.n_channels for g in prunable]
+    n = max(sizes) if budget == "uniform" else sum(sizes)
+    if math.floor(ratio * n + 1e-9) > 0:
+        return None
+    what = (f"every prunable group is too narrow: the widest has {n} channels"
+            if budget == "uniform" else f"the {len(sizes)} prunable groups have {n} "
+                                         "channels in all")
+    return (f"ratio {ratio:g} removes ⌊ratio·n⌋ = 0 channels ({what}); a ratio of at "
+            f"least {1 / n:.3g} removes one")

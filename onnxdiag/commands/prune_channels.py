@@ -1,155 +1,160 @@
-"""The ``prune-channels`` verb: remove channels physically and emit a smaller ONNX model."""
+"""The ``prune-channels`` verb: remove channels physically and emit a smaller ONNX model
+(docs/METHODS.md §B6)."""
 
 from __future__ import annotations
 
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
 from ..errors import OnnxDiagError
-from ..report import SCHEMA_VERSION, build_metadata, render_table
+from ..report import SCHEMA_VERSION, build_metadata, render_table, rows_to_csv
 from ..report.text import fmt3
 from ..structured.choice import DEFAULT_ALPHA, DEFAULT_BETA, STAT_SCORES, layer_scores, stat_scores
 from .base import (
     CommandResult,
-    check_out,
+    DataRequest,
+    HeadChoice,
+    ReportTarget,
+    Runtime,
     describe_sources,
     example_input,
-    finish_old,
-    open_source,
+    finish,
     render_header,
     safe_ratio,
 )
-from .channel_pruning import check_recovery, evaluate_accuracy, recalibrate_pruned, resolve_round_to
+from .channel_pruning import (
+    Recovery,
+    finetune_pruned,
+    open_request,
+    pruned_structure,
+    recalibrate_pruned,
+    removal_reason,
+    resolve_round_to,
+)
+
+COMMAND = "prune-channels"
 
 
-def prune_channels_report(model, *, output, ratio=0.5, score="two_axis", data=None,
-                          labels=None, eval_data=None, eval_labels=None, budget="uniform",
-                          alpha=DEFAULT_ALPHA, beta=DEFAULT_BETA, plan=None, plan_out=None,
-                          reference=None,
-                          finetune=False, train_data=None, train_labels=None, epochs=5,
-                          lr=1e-4, max_batches=200, limit=None, seed=0, batch_size=64,
-                          providers=None, head=None, features=None, targets="auto",
-                          out=None, overwrite=False, write=True, progress=True,
-                          recalibrate_bn=False, round_to=None) -> CommandResult:
+@dataclass(frozen=True)
+class ChannelPruneOptions:
+    """The options of ``prune-channels`` (defaults: the CLI's).
+
+    ``ratio``: fraction of each group's channels to remove, in (0, 1) (unused when a
+    ``plan`` is replayed or a ``reference`` plan gives the counts). ``score``: channel
+    score, higher = keep (:data:`~onnxdiag.structured.choice.SCORES`; ix, relevance,
+    two_axis and peer need calibration data). ``budget``: uniform, global, or reference
+    (per-group counts of the plan JSON ``reference``, by default of a global-threshold
+    magnitude plan at ``ratio``). ``alpha``/``beta``: two_axis weights. ``plan``: a plan
+    JSON to replay (hash-checked) instead of scoring; ``plan_out``: also write the plan.
+    ``round_to``: keep a multiple of N channels per narrowed group (an int, "auto" or
+    None). ``targets``: target of the channel statistics (auto, labels, pseudo).
+    ``seed``: ties, the random score and the statistics' spatial samples.
+    """
+
+    ratio: float = 0.5
+    score: str = "two_axis"
+    budget: str = "uniform"
+    alpha: float = DEFAULT_ALPHA
+    beta: float = DEFAULT_BETA
+    plan: str | None = None
+    plan_out: str | None = None
+    reference: str | None = None
+    round_to: int | str | None = None
+    targets: str = "auto"
+    seed: int = 0
+
+
+def prune_channels_report(model, *, output, data=None, eval_data=None, train_data=None,
+                          options: ChannelPruneOptions = ChannelPruneOptions(),
+                          recovery: Recovery = Recovery(),  # noqa: B008 - frozen records
+                          head: HeadChoice = HeadChoice(),  # noqa: B008
+                          runtime: Runtime = Runtime(),  # noqa: B008
+                          report: ReportTarget = ReportTarget()) -> CommandResult:  # noqa: B008
     """Remove channels physically and emit a smaller ONNX model (``onnxdiag prune-channels``).
 
-    ``plan``: a plan JSON to replay (hash-checked) instead of scoring. ``budget``:
-    uniform, global, or reference (per-group counts of the plan JSON ``reference``, by
-    default of a global-threshold magnitude plan at ``ratio``). The emitted model
-    gets a sidecar ``<output>.json``: plan, FLOPs/params/file size before and after,
-    CPU latency at batch 1 and 32, agreement with the source, accuracy before/after.
-    Recovery, in this order: ``recalibrate_bn`` (label-free: every BN's running statistics
-    from the pruned model on ``data``, :func:`onnxdiag.sparsity.recalibrate_batchnorm`),
-    then ``finetune``.
+    ``output``: the model file to write; a sidecar ``<output>.json`` goes beside it with
+    the report section: ``source`` and ``emitted`` (path, hash, size, params, FLOPs),
+    ``checks``, ``comparison`` with the source, ``latency_ms`` (CPU, batch 1 and 32),
+    ``accuracy`` (on ``eval_data``: source, emitted, before recovery), the plan and
+    ``nothing_removed`` (why, when no channel could be removed). ``data``: calibration
+    data (scores from channel statistics, ``recovery.recalibrate_bn``); ``eval_data``:
+    labelled evaluation data; ``train_data``: for ``recovery.finetune``. Data arguments
+    are DataRequests or plain paths / arrays. Never overwrites an input; an existing
+    output is replaced only with ``report.overwrite``.
     """
-    from ..evaluate import compare_models, make_head_runner
+    data, eval_data, train_data = map(DataRequest.of, (data, eval_data, train_data))
+    protect = _inputs(model, options, (data, eval_data, train_data))
+    folder = _check_before_work(output, data, train_data, options, recovery, report, protect)
     from ..graph import analyze_structure
-    from ..model.finalize import emit_model, finalize_model
-    from ..model.io import get_input_specs, load_model, model_hash
-    from ..runtime.latency import measure_latency
-    from ..structured import load_plan, plan_pruning, prune_channels, replay_plan, save_plan
+    from ..model.io import get_input_specs, load_model
 
-    protect = [model, data, eval_data, train_data, plan, reference]
-    folder = check_out(out, "prune-channels", overwrite, write)
-    _check_outputs(output, plan_out, protect, overwrite)
-    check_recovery(recalibrate_bn, data, finetune, train_data)
-    if plan is not None and round_to not in (None, 1):
-        raise OnnxDiagError("--round-to shapes a new plan; a replayed --plan keeps its "
-                            "channels: drop --round-to, or make the plan again with it.")
-    round_to = resolve_round_to(round_to)
     m = load_model(model)
-    structure = analyze_structure(m, head=head, features=features)
     specs = get_input_specs(m)
-    calib = None if data is None else open_source(data, specs, labels=labels, limit=limit, seed=seed,
-                                            batch_size=batch_size)
-    evaluation = None if eval_data is None else open_source(eval_data, specs, labels=eval_labels,
-                                                      seed=seed, batch_size=batch_size)
-    notes = []
-    if plan is not None:
-        the_plan = load_plan(plan)
-        pruned, record = replay_plan(m, the_plan)  # hash-checked: the plan's model only
-        structure = analyze_structure(m, head=the_plan.head)
-        score = the_plan.score
+    calib, evaluation = open_request(data, specs), open_request(eval_data, specs)
+    train = open_request(train_data, specs) if recovery.finetune else None
+    if options.plan is not None:  # the plan names its head (and features)
+        the_plan, structure, head = _replay(m, options.plan)
+        notes = []
     else:
-        cs = None
-        if score in STAT_SCORES:
-            if calib is None:
-                raise OnnxDiagError(f"Score {score!r} needs calibration data; pass --data FILE.")
-            cs = stat_scores(m, structure, calib, targets=targets, seed=seed,
-                             providers=providers, progress=progress)
-        scores, notes = layer_scores(score, m, structure, cs, alpha=alpha, beta=beta, seed=seed)
-        ref = None
-        if budget == "reference":  # a fixed allocation: another plan's, or global magnitude
-            ref = load_plan(reference) if reference is not None else plan_pruning(
-                m, structure, layer_scores("magnitude", m, structure, None)[0], ratio,
-                budget="global", seed=seed)
-            if ref.n_channels != the_groups(structure, ref):
-                raise OnnxDiagError(f"The reference plan '{reference}' was made for a model "
-                                    "with other channel groups; use a plan of this model.")
-        the_plan = plan_pruning(m, structure, scores, ratio, budget=budget, reference=ref,
-                                seed=seed, score_name=score, round_to=round_to)
-        pruned, record = prune_channels(m, structure, the_plan.removed)
-    pruned = finalize_model(pruned)
-    recovered = recalibrate_bn or finetune
-    acc_pruned = evaluate_accuracy(pruned, analyze_structure(pruned, head=structure.head.node_name),
-                       evaluation) if recovered else None
-    recalibration = None
-    if recalibrate_bn:
-        pruned, recalibration = recalibrate_pruned(pruned, calib, providers, m, structure,
-                                             the_plan.removed)
-    ft = None
-    if finetune:
-        pruned, ft = _finetune(pruned, train_data, train_labels, specs, epochs=epochs, lr=lr,
-                               max_batches=max_batches, seed=seed, batch_size=batch_size,
-                               evaluation=evaluation)
-        pruned = finalize_model(pruned)
-    verify = evaluation or calib
-    p_struct = analyze_structure(pruned, head=structure.head.node_name)
-    comparison = None if verify is None else compare_models(
-        make_head_runner(m, structure.head), make_head_runner(pruned, p_struct.head), verify,
-        structure.head)
-    x = example_input(specs, verify)
-    latency = {"source_ms": measure_latency(m, {1: x[:1], 32: x}),
-               "pruned_ms": measure_latency(pruned, {1: x[:1], 32: x})}
-    notes = notes + _width_notes(record, p_struct, round_to)
-    sidecar = {"tool": "onnxdiag prune-channels", "plan": the_plan.to_dict(),
-               "record": record.to_dict(), "comparison_with_source": comparison,
-               "latency_cpu": latency, "accuracy_before": evaluate_accuracy(m, structure, evaluation),
-               "accuracy_after": evaluate_accuracy(pruned, p_struct, evaluation),
-               "accuracy_before_recovery": acc_pruned, "recalibration": recalibration,
-               "finetune": ft,
-               "notes": notes, "flops_ratio": safe_ratio(record.flops_after, record.flops_before),
-               "params_ratio": safe_ratio(record.params_after, record.params_before)}
-    info = emit_model(pruned, output, source_path=model, sidecar=sidecar, protect=protect)
-    if plan_out:
-        save_plan(the_plan, plan_out)
-    info["file_size_ratio"] = safe_ratio(info["emitted"]["file_bytes"], info.get("source_file_bytes"))
-    meta = build_metadata(command="prune-channels", model_path=model, model_hash=model_hash(m),
-                          data=describe_sources(calibration=calib, eval=evaluation),
-                          parameters=dict(output=str(output), ratio=ratio, score=score,
-                                          budget=budget, alpha=alpha, beta=beta,
-                                          plan=plan, reference=reference,
-                                          recalibrate_bn=recalibrate_bn, round_to=round_to,
-                                          finetune=finetune, epochs=epochs, lr=lr,
-                                          seed=seed, limit=limit, data=data,
-                                          eval_data=eval_data))
-    report = {"schema": SCHEMA_VERSION, "metadata": meta, "prune_channels": info}
-    text = render_header(meta) + render_prune(info)
-    from ..report import rows_to_csv
+        structure = analyze_structure(m, head=head.head, features=head.features)
+        the_plan, notes = _new_plan(m, structure, calib, options, head, runtime)
+    pruned, p_struct, record, steps = _prune_and_recover(
+        m, structure, the_plan, (calib, evaluation, train), recovery,
+        (options.seed, head, runtime))
+    section = _measure(model, (m, structure), (pruned, p_struct), record, the_plan,
+                       (calib, evaluation), runtime)
+    section["accuracy"]["before_recovery"] = steps.pop("before_recovery")
+    section.update(steps, notes=notes + section["notes"] + _width_notes(
+        record, p_struct, the_plan.settings.get("round_to")))
+    feeds = dict(example_input(specs, evaluation or calib)[:8])
+    info = _emit(pruned, output, model, section, protect, feeds)
+    if options.plan_out:
+        from ..structured import save_plan
 
+        save_plan(the_plan, options.plan_out)
+    meta = build_metadata(command=COMMAND, model_path=model, model_hash=info["source"]["sha256"],
+                          data=describe_sources(calibration=calib, evaluation=evaluation,
+                                                training=train),
+                          parameters=_parameters(output, options, recovery, head, runtime,
+                                                 data=data, eval_data=eval_data,
+                                                 train_data=train_data))
+    text = render_header(meta) + render_prune(info)
     widths = [{"layer": name, "channels_before": w[0], "channels_after": w[1]}
               for name, w in (info["record"].get("widths") or {}).items()]
-    return finish_old("prune-channels", report, text, text, folder, overwrite,
-                   csv=rows_to_csv(widths), csv_name="layers.csv")
+    return finish(COMMAND, {"schema": SCHEMA_VERSION, "metadata": meta, "prune_channels": info},
+                  text, folder, report.overwrite, csv=rows_to_csv(widths),
+                  csv_name="layers.csv")
 
 
-def the_groups(structure, plan) -> dict:
-    """{group id: channels} of ``structure`` for the groups ``plan`` names (-1: absent)."""
-    n = len(structure.groups)
-    return {g: structure.groups[g].n_channels if g < n else -1 for g in plan.n_channels}
+def _inputs(model, options, requests) -> list:
+    """The input files an output must never replace."""
+    return [model, options.plan, options.reference,
+            *(p for r in requests if r is not None for p in (r.source, r.labels))]
+
+
+# -- before any work --------------------------------------------------------------------------
+def _check_before_work(output, data, train_data, options, recovery, report, protect):
+    """Every refusal that needs no model: outputs, recovery inputs, the options."""
+    folder = report.folder(COMMAND)
+    _check_outputs(output, options.plan_out, protect, report.overwrite)
+    recovery.check(data, train_data)
+    if options.plan is not None and options.round_to not in (None, 1):
+        raise OnnxDiagError("--round-to shapes a new plan; a replayed --plan keeps its "
+                            "channels: drop --round-to, or make the plan again with it.")
+    resolve_round_to(options.round_to)  # a bad value refused here, before any work
+    ratio_used = options.plan is None and not (options.budget == "reference"
+                                               and options.reference is not None)
+    if ratio_used and not 0 < options.ratio < 1:
+        raise OnnxDiagError(f"--ratio {options.ratio:g} " + (
+            "removes no channel and would write the model unchanged" if options.ratio == 0
+            else "is not a fraction of channels") + "; give the fraction of each group's "
+            "channels to remove, in (0, 1), e.g. --ratio 0.5.")
+    return folder
 
 
 def _check_outputs(output, plan_out, protect, overwrite: bool) -> None:
     """Refuse before any work: an output that is an input, or that exists (no --overwrite)."""
-    from pathlib import Path
-
     from ..errors import OutputError
     from ..model.io import check_output_path
 
@@ -168,6 +173,156 @@ def _check_outputs(output, plan_out, protect, overwrite: bool) -> None:
                               "choose another name.")
 
 
+# -- the plan ---------------------------------------------------------------------------------
+def _replay(m, path):
+    """(the plan of ``path``, checked to be this model's; the structure it was made on;
+    its HeadChoice)."""
+    from ..structured import load_plan
+    from ..structured.plan import plan_structure
+
+    plan = load_plan(path)
+    return plan, plan_structure(m, plan), HeadChoice(plan.head, plan.features)
+
+
+def _new_plan(m, structure, calib, options: ChannelPruneOptions, head: HeadChoice,
+              runtime: Runtime):
+    """(a new Plan of ``options``, notes); the statistics pass is skipped when nothing
+    can be removed whatever the scores."""
+    from ..structured import load_plan, plan_pruning, random_scores
+
+    if removal_reason(structure, budget=options.budget, ratio=options.ratio):
+        scores, notes = random_scores(structure, seed=options.seed), []
+    else:
+        cs = None
+        if options.score in STAT_SCORES:
+            if calib is None:
+                raise OnnxDiagError(f"Score {options.score!r} needs calibration data; pass "
+                                    "--data FILE.")
+            cs = stat_scores(m, structure, calib, targets=options.targets, seed=options.seed,
+                             providers=runtime.providers, progress=runtime.progress)
+        scores, notes = layer_scores(options.score, m, structure, cs, alpha=options.alpha,
+                                     beta=options.beta, seed=options.seed)
+    ref = None
+    if options.budget == "reference":  # a fixed allocation: another plan's, or global magnitude
+        ref = load_plan(options.reference) if options.reference is not None else plan_pruning(
+            m, structure, layer_scores("magnitude", m, structure, None)[0], options.ratio,
+            budget="global", seed=options.seed)
+        if ref.n_channels != the_groups(structure, ref):
+            raise OnnxDiagError(f"The reference plan '{options.reference}' was made for a "
+                                "model with other channel groups; use a plan of this model.")
+    plan = plan_pruning(m, structure, scores, options.ratio, budget=options.budget,
+                        reference=ref, seed=options.seed, score_name=options.score,
+                        round_to=resolve_round_to(options.round_to), features=head.features)
+    return plan, notes
+
+
+def the_groups(structure, plan) -> dict:
+    """{group id: channels} of ``structure`` for the groups ``plan`` names (-1: absent)."""
+    n = len(structure.groups)
+    return {g: structure.groups[g].n_channels if g < n else -1 for g in plan.n_channels}
+
+
+# -- prune, recover, measure ------------------------------------------------------------------
+def _prune_and_recover(m, structure, plan, sources, recovery: Recovery, how):
+    """(the pruned and recovered model, its structure, the PruneRecord, {accuracy before
+    recovery, recalibration, finetune}); ``sources`` = (calib, evaluation, train), ``how``
+    = (seed, head choice, runtime)."""
+    from ..evaluate import evaluate
+    from ..model.finalize import finalize_model
+    from ..structured.plan import prune_planned
+
+    calib, evaluation, train = sources
+    seed, head, runtime = how
+    pruned, record = prune_planned(m, structure, plan.removed)
+    pruned = finalize_model(pruned)
+    p_struct = pruned_structure(pruned, structure, head)
+    p_head = p_struct.head
+    steps = {"before_recovery": None if recovery.steps is None else _dict(evaluate(
+        pruned, p_head, evaluation, providers=runtime.providers)), "recalibration": None,
+        "finetune": None}
+    if recovery.recalibrate_bn:
+        pruned, steps["recalibration"] = recalibrate_pruned(
+            pruned, calib, runtime.providers, m, structure, plan.removed,
+            features=head.features)
+    if recovery.finetune:
+        pruned, ft = finetune_pruned(pruned, train, recovery, seed=seed,
+                                     head=HeadChoice(p_head.node_name, head.features),
+                                     evaluation=evaluation)
+        pruned, steps["finetune"] = finalize_model(pruned), ft.to_dict()
+    return pruned, p_struct, record, steps
+
+
+def _measure(path, source, emitted, record, plan, sources, runtime) -> dict:
+    """The section's measurements: source, comparison, latency, accuracy, notes;
+    ``source`` / ``emitted``: (model, structure)."""
+    from ..evaluate import compare_models, evaluate, make_head_runner
+    from ..model.io import get_input_specs, model_hash
+    from ..runtime.latency import measure_latency
+
+    (m, structure), (pruned, p_struct) = source, emitted
+    calib, evaluation = sources
+    verify = evaluation or calib
+    comparison = None if verify is None else {**compare_models(
+        make_head_runner(m, structure.head, providers=runtime.providers),
+        make_head_runner(pruned, p_struct.head, providers=runtime.providers), verify,
+        structure.head), "data": "evaluation" if evaluation is not None else "calibration"}
+    x = example_input(get_input_specs(m), verify)
+    source_ms = measure_latency(m, {1: x[:1], 32: x})
+    emitted_ms = measure_latency(pruned, {1: x[:1], 32: x})
+    is_file = isinstance(path, (str, os.PathLike)) and Path(path).is_file()
+    reason = removal_reason(structure, budget=plan.budget, ratio=plan.ratio, plan=plan)
+    return {
+        "tool": "onnxdiag prune-channels",
+        "source": {"path": str(path) if is_file else None, "sha256": model_hash(m),
+                   "file_bytes": os.path.getsize(path) if is_file else None,
+                   "params": record.params_before, "flops": record.flops_before},
+        "comparison": comparison,
+        "latency_ms": {"source": source_ms, "emitted": emitted_ms,
+                       "speedup": {b: safe_ratio(source_ms[b], emitted_ms[b]) for b in source_ms},
+                       "providers": "cpu"},
+        "accuracy": {"source": _dict(evaluate(m, structure.head, evaluation,
+                                              providers=runtime.providers)),
+                     "emitted": _dict(evaluate(pruned, p_struct.head, evaluation,
+                                               providers=runtime.providers))},
+        "notes": [] if reason is None else [f"nothing removed: {reason}"],
+        "plan": plan.to_dict(), "record": record.to_dict(), "nothing_removed": reason,
+        "flops_ratio": safe_ratio(record.flops_after, record.flops_before),
+        "params_ratio": safe_ratio(record.params_after, record.params_before)}
+
+
+def _dict(evaluation):
+    return None if evaluation is None else evaluation.to_dict()
+
+
+# -- emit -------------------------------------------------------------------------------------
+def _emit(pruned, output, model, section, protect, feeds) -> dict:
+    """Write the model (checked by emit_model on ``feeds``) and its sidecar; return the
+    section as the sidecar has it (``emitted`` with the params and FLOPs)."""
+    from ..model.finalize import emit_model
+    from ..model.io import write_text_atomic
+    from ..report import to_json
+
+    info = emit_model(pruned, output, source_path=model, sidecar=section, protect=protect,
+                      verify_feeds=feeds)
+    emitted = {**info["emitted"], "params": section["record"]["params_after"],
+               "flops": section["record"]["flops_after"]}
+    order = ("tool", "source", "emitted", "checks", "comparison", "latency_ms", "accuracy",
+             "notes", "nothing_removed", "plan", "record", "recalibration", "finetune",
+             "flops_ratio", "params_ratio")
+    info = {**{k: info.get(k) for k in order}, "emitted": emitted,
+            "file_size_ratio": safe_ratio(emitted["file_bytes"], section["source"]["file_bytes"])}
+    write_text_atomic(Path(emitted["path"] + ".json"), to_json(info))  # emitted in full
+    return info
+
+
+def _parameters(output, options, recovery, head, runtime, **requests) -> dict:
+    """Every option, defaults included (metadata.parameters)."""
+    return {"output": str(output), **asdict(options), "recovery": asdict(recovery),
+            "head": asdict(head), "providers": runtime.providers,
+            **{role: None if r is None else r.params() for role, r in requests.items()}}
+
+
+# -- text -------------------------------------------------------------------------------------
 def _width_notes(record, pruned_structure, round_to) -> list[str]:
     """A hint when narrowed convs keep widths off ONNX Runtime's CPU channel block."""
     from ..runtime.latency import cpu_conv_block
@@ -187,44 +342,41 @@ def _width_notes(record, pruned_structure, round_to) -> list[str]:
             "keeps multiples (benchmarks/RESULTS.md, channel alignment)."]
 
 
-def _finetune(model, train_data, train_labels, specs, *, epochs, lr, max_batches, seed,
-              batch_size, evaluation):
-    if train_data is None:
-        raise OnnxDiagError("--finetune needs labelled training data; pass --train-data FILE.")
-    from ..finetune import finetune_model
-
-    train = open_source(train_data, specs, labels=train_labels, seed=seed, batch_size=batch_size)
-    tuned, record = finetune_model(model, train, epochs=epochs, lr=lr, max_batches=max_batches,
-                                   seed=seed, eval_source=evaluation)
-    return tuned, record.to_dict()
-
-
 def render_prune(info: dict) -> str:
-    rec, plan = info["record"], info["plan"]
-    lat = info["latency_cpu"]
-    acc_b, acc_a = info.get("accuracy_before"), info.get("accuracy_after")
-    rows = [{"": "source", "params": rec["params_before"], "FLOPs": rec["flops_before"],
-             "file bytes": info.get("source_file_bytes"),
-             "ms b=1": lat["source_ms"]["1"], "ms b=32": lat["source_ms"]["32"],
-             "top-1 %": None if not acc_b else 100 * acc_b["accuracy"]},
-            {"": "pruned", "params": rec["params_after"], "FLOPs": rec["flops_after"],
-             "file bytes": info["emitted"]["file_bytes"],
-             "ms b=1": lat["pruned_ms"]["1"], "ms b=32": lat["pruned_ms"]["32"],
-             "top-1 %": None if not acc_a else 100 * acc_a["accuracy"]}]
-    lines = ["== Structured pruning (SPEC B6) ==",
+    """The text of a prune-channels section (the sidecar dict)."""
+    plan, lat, acc = info["plan"], info["latency_ms"], info["accuracy"]
+    rows = [{"": name, "params": info[key]["params"], "FLOPs": info[key]["flops"],
+             "file bytes": info[key]["file_bytes"], "ms b=1": lat[key]["1"],
+             "ms b=32": lat[key]["32"],
+             "top-1 %": None if not acc[key] else 100 * acc[key]["accuracy"]}
+            for name, key in (("source", "source"), ("pruned", "emitted"))]
+    removed = (f"{sum(len(v) for v in plan['removed'].values())} of "
+               f"{sum(plan['n_channels'].values())} channels removed")
+    lines = ["== Structured pruning (docs/METHODS.md §B6) ==",
              f"score {plan['score']}, budget {plan['budget']}, ratio {plan['ratio']}: "
-             f"{sum(len(v) for v in plan['removed'].values())} of "
-             f"{sum(plan['n_channels'].values())} channels removed -> {info['emitted']['path']}",
+             f"{removed} -> {info['emitted']['path']}",
              render_table(rows).rstrip(),
              f"FLOPs ratio {fmt3(info['flops_ratio'])}, params ratio "
              f"{fmt3(info['params_ratio'])}, file-size ratio {fmt3(info.get('file_size_ratio'))}"
-             f", CPU speed-up b=1 {fmt3(_speed(lat, '1'))}x, b=32 {fmt3(_speed(lat, '32'))}x"]
-    rec_acc = info.get("accuracy_before_recovery")
-    if rec_acc and acc_a:
+             f", CPU speed-up b=1 {fmt3(lat['speedup']['1'])}x, "
+             f"b=32 {fmt3(lat['speedup']['32'])}x"]
+    lines += _recovery_lines(info)
+    cmp_ = info.get("comparison")
+    if cmp_:
+        lines.append(f"top-1 agreement with the source {100 * cmp_['top1_agreement']:.1f} % on "
+                     f"{cmp_['n_samples']} {cmp_['data']} samples")
+    lines += [f"note: {n}" for n in info.get("notes", [])]
+    return "\n".join(lines) + "\n"
+
+
+def _recovery_lines(info: dict) -> list[str]:
+    lines = []
+    before, after = info["accuracy"].get("before_recovery"), info["accuracy"].get("emitted")
+    if before and after:
         steps = " + ".join(name for name, on in (("BN recalibration", info.get("recalibration")),
                                                  ("fine-tuning", info.get("finetune"))) if on)
-        lines.append(f"top-1 of the pruned model {100 * rec_acc['accuracy']:.2f} % before "
-                     f"recovery, {100 * acc_a['accuracy']:.2f} % after {steps}")
+        lines.append(f"top-1 of the pruned model {100 * before['accuracy']:.2f} % before "
+                     f"recovery, {100 * after['accuracy']:.2f} % after {steps}")
     rcl = info.get("recalibration")
     if rcl:
         lines.append(f"BN recalibration: {len(rcl['bns'])} BatchNormalization nodes"
@@ -232,13 +384,4 @@ def render_prune(info: dict) -> str:
                         if rcl["layers"] else "")
                      + f" on {rcl['n_images']} calibration images"
                      + "".join(f"; {n}" for n in rcl.get("notes", [])))
-    cmp_ = info.get("comparison_with_source")
-    if cmp_:
-        lines.append(f"top-1 agreement with the source {100 * cmp_['top1_agreement']:.1f} % on "
-                     f"{cmp_['n_samples']} samples")
-    lines += [f"note: {n}" for n in info.get("notes", [])]
-    return "\n".join(lines) + "\n"
-
-
-def _speed(lat, b):
-    return lat["source_ms"][b] / lat["pruned_ms"][b] if lat["pruned_ms"][b] else None
+    return lines

@@ -1,13 +1,15 @@
-"""The ``prune-sweep`` verb: accuracy vs kept-channel fraction per channel score (FLOPs-matched)."""
+"""The ``prune-sweep`` verb: accuracy vs kept-channel fraction per channel score,
+FLOPs-matched (docs/METHODS.md §B6)."""
 
 from __future__ import annotations
 
 import uuid
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from ..errors import OnnxDiagError
-from ..report import SCHEMA_VERSION, build_metadata, render_table
+from ..report import SCHEMA_VERSION, build_metadata, render_table, rows_to_csv
 from ..report.text import fmt3
 from ..structured.choice import (
     DEFAULT_ALPHA,
@@ -19,23 +21,50 @@ from ..structured.choice import (
 )
 from .base import (
     CommandResult,
-    check_out,
+    DataRequest,
+    HeadChoice,
+    ReportTarget,
+    Runtime,
     describe_sources,
-    finish_old,
-    open_source,
+    finish,
     render_header,
-    safe_ratio,
 )
-from .channel_pruning import check_recovery, recalibrate_pruned, resolve_round_to
+from .channel_pruning import (
+    Recovery,
+    finetune_pruned,
+    open_request,
+    recalibrate_pruned,
+    removal_reason,
+    resolve_round_to,
+)
+from .prune_cells import SweepCells, run_cells
 
-# -- prune-sweep ------------------------------------------------------------------------------
+COMMAND = "prune-sweep"
 LOCAL_AXIS, TARGET_AXIS = ("ix", "peer"), ("relevance",)
-
-
 DEFAULT_RATIOS = (0.1, 0.25, 0.5, 0.75)
-
-
 SWEEP_BUDGETS = ("uniform", "reference", "global")
+
+
+@dataclass(frozen=True)
+class PruneSweepOptions:
+    """The options of ``prune-sweep`` (defaults: the CLI's).
+
+    ``ratios``: fractions of channels removed, each in (0, 1). ``scores``: the channel
+    scores compared (:data:`~onnxdiag.structured.choice.SCORES`). ``budget``: uniform,
+    reference (every score gets the per-group counts of a global-threshold magnitude plan
+    at that ratio) or global. ``alpha``/``beta``: two_axis weights. ``round_to``: keep a
+    multiple of N channels per narrowed group. ``targets``: target of the channel
+    statistics. ``seed``: ties, the random score and the statistics' spatial samples.
+    """
+
+    ratios: tuple = DEFAULT_RATIOS
+    scores: tuple = SCORES
+    budget: str = "uniform"
+    alpha: float = DEFAULT_ALPHA
+    beta: float = DEFAULT_BETA
+    round_to: int | str | None = None
+    targets: str = "auto"
+    seed: int = 0
 
 
 def normalized_auc(kept, accuracy, dense_accuracy) -> float | None:
@@ -68,179 +97,194 @@ def _parse_list(values, kind, allowed=None):
     return out
 
 
-def prune_sweep_report(model, *, eval_data, ratios=DEFAULT_RATIOS, scores=SCORES, data=None,
-                       labels=None, eval_labels=None, budget="uniform", alpha=DEFAULT_ALPHA,
-                       beta=DEFAULT_BETA, finetune=False, train_data=None, train_labels=None,
-                       epochs=5, lr=1e-4, max_batches=200, limit=None, seed=0, batch_size=64,
-                       providers=None, head=None, features=None, targets="auto",
-                       executor=None, jobs=None, out=None, overwrite=False, write=True,
-                       progress=True, recalibrate_bn=False, round_to=None) -> CommandResult:
+def prune_sweep_report(model, *, eval_data, data=None, train_data=None,
+                       options: PruneSweepOptions = PruneSweepOptions(),
+                       recovery: Recovery = Recovery(),  # noqa: B008 - frozen records
+                       head: HeadChoice = HeadChoice(),  # noqa: B008
+                       runtime: Runtime = Runtime(),  # noqa: B008
+                       report: ReportTarget = ReportTarget()) -> CommandResult:  # noqa: B008
     """Accuracy vs kept-channel fraction per score, before and after recovery
-    (``onnxdiag prune-sweep``, SPEC B6).
+    (``onnxdiag prune-sweep``, docs/METHODS.md §B6).
 
-    The channel statistics (for ix, relevance, two_axis, peer) are computed once; every
-    (score, ratio) cell is planned, physically pruned and evaluated on ``eval_data``.
-    Budgets: ``uniform`` (default) and ``reference`` (every score gets the per-group
-    counts of a global-threshold magnitude plan at that ratio) are FLOPs-matched by
-    construction; ``global`` (per-score threshold) is not, and the table shows each
-    cell's FLOPs ratio. Normalised AUC: :func:`normalized_auc`.
+    The channel statistics (ix, relevance, two_axis, peer) are computed once, on ``data``;
+    every (score, ratio) cell is planned, pruned and evaluated on the labelled
+    ``eval_data``. ``uniform`` and ``reference`` budgets are FLOPs-matched by construction;
+    ``global`` is not (the table shows each cell's FLOPs ratio). AUC: :func:`normalized_auc`.
 
-    ``executor``: ``local`` (default) with ``jobs`` worker processes (default 1: every
-    cell in this process), ``ray`` / ``ray=HOST:PORT``, or an
-    :class:`~onnxdiag.executor.Executor`. The statistics pass is then sharded
-    (:func:`onnxdiag.collect.collect_channel_moments_sharded`) and every (score, ratio)
-    cell is one unit; the model bytes and every score's per-layer channel scores are
-    shipped once. A failed cell is reported in ``failed`` (its row has ``error``) and the
-    other cells are kept; a score with a failed cell gets no AUC. With ``finetune`` on
-    Ray every node needs the [training] extra.
+    ``runtime.executor``: None / ``local`` with ``runtime.jobs`` processes (default 1:
+    every cell here), ``ray`` / ``ray=HOST:PORT`` or an Executor: the statistics pass is
+    then sharded and every cell is one unit (:mod:`.prune_cells`); the model bytes, the
+    per-score channel scores and the data are shipped once. A failed cell is reported in
+    ``failed`` (its row has ``error``), the others kept; its score gets no AUC. With
+    ``recovery.finetune`` on Ray every node needs the [training] extra.
 
-    Recovery (the "after" curve), in this order: ``recalibrate_bn`` (label-free, every
-    BN's statistics from the pruned model on ``data``), then ``finetune``; the dense
-    model goes through the same recovery for the after-curve's top and normaliser.
+    Recovery (the "after" curve): ``recovery.recalibrate_bn`` (on ``data``), then
+    ``recovery.finetune`` (on ``train_data``); the dense model under the same recovery is
+    the after-curve's top and normaliser.
     """
-    from ..evaluate import evaluate_model, make_head_runner
     from ..graph import analyze_structure
     from ..model.io import get_input_specs, load_model, model_hash
-    from ..runtime.executor import open_executor
-    from ..structured import plan_pruning
 
-    ratios = sorted({float(r) for r in ratios})
+    data, eval_data, train_data = map(DataRequest.of, (data, eval_data, train_data))
+    ratios, scores = _check_options(options, data, eval_data)
+    recovery.check(data, train_data)
+    round_to = resolve_round_to(options.round_to)
+    folder = report.folder(COMMAND)
+    m = load_model(model)
+    structure = analyze_structure(m, head=head.head, features=head.features)
+    _check_prunable(structure)
+    requests = (data, eval_data, train_data)
+    calib, evaluation, train = sources = _open(get_input_specs(m), requests, recovery)
+    dense, dense_after = _dense(m, structure, sources, recovery, options.seed, head, runtime)
+    rows, failed, notes, ran_on = _run(m, structure, requests, sources, options,
+                                       (ratios, scores, round_to), recovery, head, runtime)
+    section = summarize_sweep(rows, dense, scores, options.budget, recovery.steps, dense_after)
+    section["notes"] = sorted(set(notes))
+    section["failed"] = sorted(failed, key=lambda f: (scores.index(f["score"]), f["ratio"]))
+    params = {**asdict(options), "ratios": ratios, "scores": scores,
+              **_params(requests, recovery, head, runtime)}
+    meta = build_metadata(command=COMMAND, model_path=model, model_hash=model_hash(m),
+                          data=describe_sources(calibration=calib, evaluation=evaluation,
+                                                training=train), parameters=params)
+    meta["executor"] = ran_on
+    text = render_header(meta) + render_sweep(section)
+    return finish(COMMAND, {"schema": SCHEMA_VERSION, "metadata": meta, "prune_sweep": section},
+                  text, folder, report.overwrite, csv=rows_to_csv(rows), csv_name="sweep.csv")
+
+
+def _run(m, structure, requests, sources, options, grid, recovery, head, runtime) -> tuple:
+    """(rows, failed cells, notes, executor description): the statistics, then every
+    (score, ratio) cell of ``grid`` = (ratios, scores, round_to) on the executor."""
+    from ..runtime.executor import open_executor
+
+    data, eval_data, train_data = requests
+    calib, evaluation, train = sources
+    ratios, scores, round_to = grid
+    with open_executor(runtime.executor, runtime.jobs, local_jobs=1) as ex:
+        per_score, reference, notes = _scores(m, structure, data, calib, ex, options, ratios,
+                                              scores, runtime)
+        ctx = SweepCells(
+            token=uuid.uuid4().hex, per_score=per_score, reference=reference,
+            budget=options.budget, seed=options.seed, providers=runtime.providers,
+            head=HeadChoice(structure.head.node_name, head.features), recovery=recovery,
+            round_to=round_to, threads=None if ex.in_process else 1,
+            evaluation=ex.ship(eval_data, evaluation),
+            train=None if train is None else ex.ship(train_data, train),
+            calib=ex.ship(data, calib) if recovery.recalibrate_bn else None)
+        rows, failed = run_cells(ex, m, ctx, [(sc, r) for sc in scores for r in ratios],
+                                 progress=runtime.progress)
+        ran_on = ex.describe()
+    return rows, failed, notes, ran_on
+
+
+def _check_options(options: PruneSweepOptions, data, eval_data) -> tuple[list, list]:
+    """(sorted ratios, scores without repeats), checked before any work."""
+    ratios = sorted({float(r) for r in options.ratios})
     for r in ratios:
         if not 0 < r < 1:
             raise OnnxDiagError(f"Ratio {r} must be in (0, 1) (fraction of channels removed).")
     if not ratios:
         raise OnnxDiagError("Give at least one ratio, e.g. --ratios 0.25,0.5.")
-    scores = _parse_list(list(scores), "score", SCORES)
-    if budget not in SWEEP_BUDGETS:
-        raise OnnxDiagError(f"Unknown budget {budget!r}; use one of {', '.join(SWEEP_BUDGETS)}.")
+    scores = _parse_list(list(options.scores), "score", SCORES)
+    if options.budget not in SWEEP_BUDGETS:
+        raise OnnxDiagError(f"Unknown budget {options.budget!r}; use one of "
+                            f"{', '.join(SWEEP_BUDGETS)}.")
     if eval_data is None:
         raise OnnxDiagError("prune-sweep measures accuracy; pass labelled --eval-data FILE.")
-    need_stats = any(sc in STAT_SCORES for sc in scores)
-    if need_stats and data is None:
+    if any(sc in STAT_SCORES for sc in scores) and data is None:
         raise OnnxDiagError("Scores " + ", ".join(sc for sc in scores if sc in STAT_SCORES)
                             + " need calibration data for the channel statistics; pass "
                             "--data FILE (or drop them from --scores).")
-    check_recovery(recalibrate_bn, data, finetune, train_data)
-    round_to = resolve_round_to(round_to)
-    folder = check_out(out, "prune-sweep", overwrite, write)
-    m = load_model(model)
-    structure = analyze_structure(m, head=head, features=features)
-    specs = get_input_specs(m)
-    evaluation = open_source(eval_data, specs, labels=eval_labels, seed=seed, batch_size=batch_size)
+    return ratios, scores
+
+
+def _open(specs, requests, recovery: Recovery) -> tuple:
+    """(calibration, evaluation, training) DataSources; the training data only when
+    fine-tuning; refuses unlabelled evaluation data."""
+    data, eval_data, train_data = requests
+    evaluation = eval_data.open(specs)
     if not evaluation.has_labels:
         raise OnnxDiagError("--eval-data has no labels; give an npz with a 'labels' key or "
                             "--eval-labels FILE.")
-    train = None if not finetune else open_source(train_data, specs, labels=train_labels, seed=seed,
-                                            batch_size=batch_size)
+    train = open_request(train_data, specs) if recovery.finetune else None
+    return open_request(data, specs), evaluation, train
 
-    def accuracy(net, st):
-        return evaluate_model(make_head_runner(net, st.head, providers=providers), st.head,
-                              evaluation).accuracy
 
-    dense = accuracy(m, structure)
-    calib = None if data is None else open_source(data, specs, labels=labels, limit=limit, seed=seed,
-                                            batch_size=batch_size)
-    dense_after = None
-    if recalibrate_bn or finetune:  # the dense model under the same recovery: the top
-        recovered = m if not recalibrate_bn else recalibrate_pruned(m, calib, providers, m,
-                                                              structure, {})[0]
-        dense_after = accuracy(recovered, structure)
-        if finetune:
-            from ..finetune import finetune_model
+def _params(requests, recovery, head, runtime) -> dict:
+    """The records' part of metadata.parameters (every option, defaults included)."""
+    return {"recovery": asdict(recovery), "head": asdict(head), "providers": runtime.providers,
+            "executor": runtime.executor_name(), "jobs": runtime.jobs,
+            **{role: None if r is None else r.params()
+               for role, r in zip(("data", "eval_data", "train_data"), requests)}}
 
-            dense_after = finetune_model(recovered, train, epochs=epochs, lr=lr,
-                                         max_batches=max_batches, seed=seed,
-                                         eval_source=evaluation)[1].accuracy_after
-    with open_executor(executor, jobs, local_jobs=1) as ex:
-        single = ex.in_process
-        cs = None
-        if need_stats:  # once per sweep
-            if single:
-                cs = stat_scores(m, structure, calib, targets=targets, seed=seed,
-                                 providers=providers, progress=progress)
-            else:
-                from ..channels.collect import collect_channel_moments_sharded
-                from ..channels.layers import score_collected
 
-                stats = collect_channel_moments_sharded(
-                    m, structure, data, executor=ex, labels=labels, limit=limit, seed=seed,
-                    batch_size=batch_size, targets=targets, providers=providers,
-                    label="Channel statistics" if progress else None)
-                cs = {name: sc for name, (_, sc, _) in
-                      score_collected(m, stats, structure).items()}
-        reference = {}
-        if budget == "reference":
-            mag, _ = layer_scores("magnitude", m, structure, None)
-            reference = {r: plan_pruning(m, structure, mag, r, budget="global", seed=seed)
-                         for r in ratios}
-        notes, per_score = [], {}
-        for sc in scores:
-            per_score[sc], extra = layer_scores(sc, m, structure, cs, alpha=alpha, beta=beta,
-                                                seed=seed)
-            notes += extra
-        cells = [(sc, r) for sc in scores for r in ratios]
-        ctx = dict(token=uuid.uuid4().hex, per_score=per_score,  # one per sweep
-                   reference=reference, budget=budget, seed=seed, providers=providers,
-                   head=structure.head.node_name, finetune=finetune,
-                   recalibrate_bn=recalibrate_bn, round_to=round_to,
-                   finetune_args=dict(epochs=epochs, lr=lr, max_batches=max_batches,
-                                      seed=seed),
-                   threads=None if single else 1)
-        eval_args = dict(source=eval_data, labels=eval_labels, seed=seed,
-                         batch_size=batch_size)
-        train_args = None if not finetune else dict(source=train_data, labels=train_labels,
-                                                    seed=seed, batch_size=batch_size)
-        calib_args = None if not recalibrate_bn else dict(
-            source=data, labels=labels, limit=limit, seed=seed, batch_size=batch_size)
-        if single:  # the sources opened here serve every cell
-            ctx.update(evaluation=evaluation, train=train, calib=calib)
-        elif not ex.reads_paths:  # read once here, shipped once (object store)
-            ctx.update(eval_args=_materialize_source(evaluation),
-                       train_args=None if train is None else _materialize_source(train),
-                       calib_args=None if not recalibrate_bn else _materialize_source(calib))
-        else:  # each local worker process reads them once from the source
-            ctx.update(eval_args=eval_args, train_args=train_args, calib_args=calib_args)
-        rows, failed = [None] * len(cells), []
-        for i, row, error in ex.map(_sweep_cell, cells, (m.SerializeToString(), ctx),
-                                    label="Pruning cells" if progress else None,
-                                    gpu=_wants_gpu(providers)):
-            if row is None:
-                sc, r = cells[i]
-                row = {"score": sc, "ratio": r, "kept_fraction": None,
-                       "channels_removed": None, "flops_ratio": None, "params_ratio": None,
-                       "accuracy_before": None, "accuracy_after": None, "error": error}
-                failed.append({"score": sc, "ratio": r, "error": error})
-            rows[i] = row
-        ran_on = ex.describe()
-        _CELL_CACHE.clear()  # this process's copy of the sweep (single-process cells)
-    recovery = " + ".join(name for name, on in (("BN recalibration", recalibrate_bn),
-                                                ("fine-tuning", finetune)) if on) or None
-    section = summarize_sweep(rows, dense, scores, budget, recovery, dense_after)
-    section["notes"] = sorted(set(notes))
-    section["failed"] = sorted(failed, key=lambda f: (scores.index(f["score"]), f["ratio"]))
-    meta = build_metadata(command="prune-sweep", model_path=model, model_hash=model_hash(m),
-                          data=describe_sources(calibration=calib, eval=evaluation, train=train),
-                          parameters=dict(ratios=ratios, scores=scores, budget=budget,
-                                          alpha=alpha, beta=beta,
-                                          recalibrate_bn=recalibrate_bn, round_to=round_to,
-                                          finetune=finetune,
-                                          epochs=epochs, lr=lr, max_batches=max_batches,
-                                          seed=seed, limit=limit, data=data,
-                                          eval_data=eval_data, train_data=train_data,
-                                          executor=getattr(executor, "name", None)
-                                          or str(executor or "local"), jobs=jobs))
-    meta["executor"] = ran_on
-    report = {"schema": SCHEMA_VERSION, "metadata": meta, "prune_sweep": section}
-    text = render_header(meta) + render_sweep(section)
-    from ..report.text import dict_rows_csv
+def _check_prunable(structure) -> None:
+    reason = removal_reason(structure, budget="reference", ratio=None)  # the groups alone
+    if reason:
+        raise OnnxDiagError(f"prune-sweep has nothing to compare: {reason}. `onnxdiag "
+                            "inspect MODEL` lists the channel groups and why each is kept.")
 
-    return finish_old("prune-sweep", report, text, text, folder, overwrite, csv=dict_rows_csv(rows),
-                   csv_name="sweep.csv")
+
+def _dense(m, structure, sources, recovery: Recovery, seed, head, runtime) -> tuple:
+    """(dense top-1, dense top-1 under the same recovery or None): the curves' tops."""
+    from ..evaluate import evaluate
+
+    calib, evaluation, train = sources
+    dense = evaluate(m, structure.head, evaluation, providers=runtime.providers).accuracy
+    if recovery.steps is None:
+        return dense, None
+    recovered = m if not recovery.recalibrate_bn else recalibrate_pruned(
+        m, calib, runtime.providers, m, structure, {}, features=head.features)[0]
+    if recovery.finetune:
+        choice = HeadChoice(structure.head.node_name, head.features)
+        return dense, finetune_pruned(recovered, train, recovery, seed=seed, head=choice,
+                                      evaluation=evaluation)[1].accuracy_after
+    return dense, evaluate(recovered, structure.head, evaluation,
+                           providers=runtime.providers).accuracy
+
+
+def _scores(m, structure, data, calib, ex, options, ratios, scores, runtime) -> tuple:
+    """({score: per-layer scores}, {ratio: reference plan}, notes): the statistics pass
+    once per sweep (sharded on a multi-worker executor)."""
+    from ..structured import plan_pruning
+
+    cs = None
+    if any(sc in STAT_SCORES for sc in scores):
+        if ex.in_process:
+            cs = stat_scores(m, structure, calib, targets=options.targets, seed=options.seed,
+                             providers=runtime.providers, progress=runtime.progress)
+        else:
+            cs = _sharded_scores(m, structure, data, ex, options, runtime)
+    reference = {}
+    if options.budget == "reference":
+        mag, _ = layer_scores("magnitude", m, structure, None)
+        reference = {r: plan_pruning(m, structure, mag, r, budget="global", seed=options.seed)
+                     for r in ratios}
+    notes, per_score = [], {}
+    for sc in scores:
+        per_score[sc], extra = layer_scores(sc, m, structure, cs, alpha=options.alpha,
+                                            beta=options.beta, seed=options.seed)
+        notes += extra
+    return per_score, reference, notes
+
+
+def _sharded_scores(m, structure, data, ex, options, runtime) -> dict:
+    """ChannelScores per layer from the statistics pass sharded over ``ex``. The one seed
+    of the sharded pass is the verb's (the CLI gives the data the same one)."""
+    from ..channels.collect import collect_channel_moments_sharded
+    from ..channels.layers import score_collected
+
+    stats = collect_channel_moments_sharded(
+        m, structure, data.source, executor=ex, labels=data.labels, limit=data.limit,
+        seed=options.seed, batch_size=data.batch_size, targets=options.targets,
+        providers=runtime.providers,
+        label="Channel statistics" if runtime.progress else None)
+    return {name: sc for name, (_, sc, _) in score_collected(m, stats, structure).items()}
 
 
 def summarize_sweep(rows, dense, scores, budget, recovery, dense_after=None) -> dict:
     """Normalised AUC per score (before / after recovery), FLOPs matching per ratio and the
-    local-axis vs target-axis comparison of SPEC B6.
+    local-axis vs target-axis comparison of docs/METHODS.md §B6.
 
     ``recovery``: what the after-curve applied ("BN recalibration", "fine-tuning", both
     joined by " + "), or None/False for none (True reads as "fine-tuning"). The
@@ -313,7 +357,7 @@ def render_sweep(section: dict) -> str:
     flops = ", ".join(f"{1 - float(r):.2f}: {fmt3(v['flops_ratio_min'])}"
                       + ("" if v["matched"] else f"-{fmt3(v['flops_ratio_max'])} (not matched)")
                       for r, v in section["flops_matched"].items())
-    lines = ["== Structured pruning sweep (SPEC B6) ==",
+    lines = ["== Structured pruning sweep (docs/METHODS.md §B6) ==",
              f"dense top-1 {100 * section['dense_accuracy']:.2f} %"
              + ("" if section.get("dense_accuracy_after_recovery") is None else
                 f" ({100 * section['dense_accuracy_after_recovery']:.2f} % after the same "
@@ -330,93 +374,3 @@ def render_sweep(section: dict) -> str:
               for f in section.get("failed", [])]
     lines += [f"note: {n}" for n in section.get("notes", [])]
     return "\n".join(lines) + "\n"
-
-
-# -- prune-sweep units (issue 9) ----------------------------------------------------------------
-_CELL_CACHE: dict = {}  # per worker process: the sweep's model, structure and data, once
-
-
-def _wants_gpu(providers) -> bool:
-    from ..runtime.executor import wants_gpu
-
-    return wants_gpu(providers)
-
-
-def _materialize_source(source) -> dict:
-    """A DataSource's samples (in order) as arrays + labels, to ship once to Ray workers."""
-    arrays, labels = source.to_arrays()
-    return dict(source=arrays, labels=labels, seed=source.seed, batch_size=source.batch_size)
-
-
-def _cell_context(model_bytes: bytes, ctx: dict):
-    """(model, structure, evaluation, train, calib) of this sweep, built once per process."""
-    hit = _CELL_CACHE.get(ctx["token"])
-    if hit is not None:
-        return hit
-    import onnx
-
-    from ..graph import analyze_structure
-    from ..model.io import get_input_specs
-
-    model = onnx.load_from_string(model_bytes)
-    structure = analyze_structure(model, head=ctx["head"])
-    evaluation, train, calib = ctx.get("evaluation"), ctx.get("train"), ctx.get("calib")
-    if evaluation is None:
-        specs = get_input_specs(model)
-        evaluation = open_source(ctx["eval_args"]["source"], specs, **_rest(ctx["eval_args"]))
-        if ctx.get("train_args") is not None:
-            train = open_source(ctx["train_args"]["source"], specs, **_rest(ctx["train_args"]))
-        if ctx.get("calib_args") is not None:
-            calib = open_source(ctx["calib_args"]["source"], specs, **_rest(ctx["calib_args"]))
-    _CELL_CACHE.clear()
-    _CELL_CACHE[ctx["token"]] = hit = (model, structure, evaluation, train, calib)
-    return hit
-
-
-def _rest(args: dict) -> dict:
-    return {k: v for k, v in args.items() if k != "source"}
-
-
-def _sweep_cell(cell, model_bytes: bytes, ctx: dict) -> dict:
-    """One (score, ratio) cell: plan, prune physically, evaluate (and fine-tune)."""
-    from ..evaluate import evaluate_model, make_head_runner
-    from ..graph import analyze_structure
-    from ..structured import plan_pruning, prune_channels
-
-    sc, r = cell
-    m, structure, evaluation, train, calib = _cell_context(model_bytes, ctx)
-    per_layer, seed = ctx["per_score"][sc], ctx["seed"]
-    if ctx["budget"] == "reference":
-        plan = plan_pruning(m, structure, per_layer, None, budget="reference",
-                            reference=ctx["reference"][r], seed=seed, score_name=sc,
-                            round_to=ctx.get("round_to"))
-    else:
-        plan = plan_pruning(m, structure, per_layer, r, budget=ctx["budget"], seed=seed,
-                            score_name=sc, round_to=ctx.get("round_to"))
-    pruned, record = prune_channels(m, structure, plan.removed)
-    p_struct = analyze_structure(pruned, head=structure.head.node_name)
-    total = sum(plan.n_channels.values())
-    runner = make_head_runner(pruned, p_struct.head, providers=ctx["providers"],
-                              threads=ctx["threads"])
-    row = {"score": sc, "ratio": r,
-           "kept_fraction": 1 - plan.n_removed / total if total else 1.0,
-           "channels_removed": plan.n_removed,
-           "flops_ratio": safe_ratio(record.flops_after, record.flops_before),
-           "params_ratio": safe_ratio(record.params_after, record.params_before),
-           "accuracy_before": evaluate_model(runner, p_struct.head, evaluation).accuracy,
-           "accuracy_after": None}
-    if ctx.get("recalibrate_bn"):
-        cache = _CELL_CACHE.setdefault((ctx["token"], "recalibration"), {})
-        pruned = recalibrate_pruned(pruned, calib, ctx["providers"], m, structure, plan.removed,
-                              threads=ctx["threads"], cache=cache)[0]
-        if not ctx["finetune"]:
-            runner = make_head_runner(pruned, p_struct.head, providers=ctx["providers"],
-                                      threads=ctx["threads"])
-            row["accuracy_after"] = evaluate_model(runner, p_struct.head, evaluation).accuracy
-    if ctx["finetune"]:
-        from ..finetune import finetune_model
-
-        _, ft = finetune_model(pruned, train, eval_source=evaluation, **ctx["finetune_args"])
-        row["accuracy_after"] = ft.accuracy_after
-        row["finetune_loss_first_last"] = [ft.first_loss, ft.last_loss]
-    return row

@@ -15,10 +15,15 @@ MODEL_SCORES = ("magnitude", "bn_scale", "random")
 STAT_SCORES = ("ix", "relevance", "two_axis", "peer")
 
 
+#: Target T of the channel statistics (docs/METHODS.md §B3).
+TARGETS = ("auto", "labels", "pseudo")
+
+
 SCORES = MODEL_SCORES + STAT_SCORES
 
 
-#: SPEC B6 two_axis = alpha·norm(I_X) − beta·norm(I(T;Y)); beta grid {0, .1, .25, .5, 1}.
+#: docs/METHODS.md §B6: two_axis = alpha·norm(I_X) − beta·norm(I(T;Y)); beta grid
+#: {0, .1, .25, .5, 1}.
 DEFAULT_ALPHA, DEFAULT_BETA = 1.0, 0.25
 
 
@@ -29,7 +34,7 @@ def _norm(v: np.ndarray) -> np.ndarray:
 
 def stat_scores(model, structure, source, *, targets="auto", seed=0, providers=None,
                 progress=False) -> dict:
-    """ChannelScores per analysed layer from one statistics pass (SPEC B2–B3)."""
+    """ChannelScores per analysed layer from one statistics pass (docs/METHODS.md §B2–§B3)."""
     from ..channels.collect import collect_channel_moments
     from ..channels.layers import score_collected
 

@@ -1,4 +1,4 @@
-"""Scores → which channels to remove, as a replayable :class:`Plan` (SPEC B6).
+"""Scores → which channels to remove, as a replayable :class:`Plan` (docs/METHODS.md §B6).
 
 Budgets (how many channels each group loses; which ones is always "lowest score first",
 ties broken by a seeded random order):
@@ -15,6 +15,7 @@ Every group keeps at least one channel.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -47,6 +48,7 @@ class Plan:
         score: name of the score used ("magnitude", "ix", …, "custom").
         budget: "uniform" | "reference" | "global"; ratio: the channel fraction asked for.
         head: the head node the structure was analysed with (None: no head).
+        features: the features tensor named for that head (``--features``), or None.
         removed: group id -> removed channels (ascending; empty for groups left whole).
         n_channels: group id -> channels before pruning (checked on replay).
         params_before / params_after, flops_before / flops_after: from
@@ -66,6 +68,7 @@ class Plan:
     flops_before: int | None
     flops_after: int | None
     settings: dict = field(default_factory=dict)
+    features: str | None = None
     schema: str = PLAN_SCHEMA
 
     @property
@@ -97,8 +100,8 @@ def plan_pruning(model: onnx.ModelProto, structure: Structure, scores: Mapping,
                  ratio: float | None, *, budget: str = "uniform", reference=None,
                  caps: float | Mapping[int, float] | None = None, seed: int = 0,
                  score_name: str = "custom", groups: Iterable[int] | None = None,
-                 round_to: int | None = None) -> Plan:
-    """A :class:`Plan` removing the lowest-scored channels of each group (SPEC B6).
+                 round_to: int | None = None, features: str | None = None) -> Plan:
+    """A :class:`Plan` removing the lowest-scored channels of each group (docs/METHODS.md §B6).
 
     Args:
         model, structure: the source model and its :func:`analyze_structure`.
@@ -118,6 +121,8 @@ def plan_pruning(model: onnx.ModelProto, structure: Structure, scores: Mapping,
             spared are the best-scored of those the budget chose). ONNX Runtime's blocked
             CPU convs run widths that are not a multiple of their block (16 with AVX-512,
             8 with AVX2) at the cost of the next multiple or slower. None / 1: exact.
+        features: the features tensor ``structure``'s head was named with, recorded so
+            that :func:`replay_plan` analyses the model the same way.
 
     Prunes a copy to measure params / FLOPs after.  Never modifies ``model``.
 
@@ -133,21 +138,9 @@ def plan_pruning(model: onnx.ModelProto, structure: Structure, scores: Mapping,
         round_to = positive_int(round_to, f"round_to must be a positive integer; got "
                                           f"{round_to!r}.")
     considered = list(counts) if counts is not None else _considered(structure, groups)
-    group_scores = score_groups(structure, scores, considered)
-    rng = np.random.default_rng(seed)
     sizes = {g: structure.groups[g].n_channels for g in considered}
-    limits = {g: _limit(n, _cap_of(caps, g, budget)) for g, n in sizes.items()}
-    if budget == "global":
-        removed = _select_global(group_scores, ratio, limits, rng)
-    else:
-        want = counts if counts is not None else \
-            {g: math.floor(ratio * n + _EPS) for g, n in sizes.items()}
-        removed = {g: _lowest(group_scores[g], min(want.get(g, 0), limits[g]), rng)
-                   for g in considered}
-    if round_to is not None and round_to > 1:
-        removed = {g: _round_kept(chs, sizes[g], round_to, group_scores[g])
-                   for g, chs in removed.items()}
-    _, record = prune_channels(model, structure, removed)
+    removed = _choose(structure, scores, sizes, budget, ratio, counts, caps, seed, round_to)
+    _, record = prune_planned(model, structure, removed)
     return Plan(
         model_hash=model_hash(model), score=score_name, budget=budget, ratio=ratio,
         head=structure.head.node_name if structure.head is not None else None,
@@ -156,7 +149,38 @@ def plan_pruning(model: onnx.ModelProto, structure: Structure, scores: Mapping,
         flops_before=record.flops_before, flops_after=record.flops_after,
         settings={"seed": seed, "caps": jsonable(caps), "groups": sorted(considered),
                   "reference": None if counts is None else jsonable(counts),
-                  "round_to": None if round_to in (None, 1) else round_to})
+                  "round_to": None if round_to in (None, 1) else round_to},
+        features=features)
+
+
+def _choose(structure, scores, sizes, budget, ratio, counts, caps, seed, round_to) -> dict:
+    """{group id: channels to remove} of the groups ``sizes`` names, by the budget."""
+    group_scores = score_groups(structure, scores, list(sizes))
+    rng = np.random.default_rng(seed)
+    limits = {g: _limit(n, _cap_of(caps, g, budget)) for g, n in sizes.items()}
+    if budget == "global":
+        removed = _select_global(group_scores, ratio, limits, rng)
+    else:
+        want = counts if counts is not None else \
+            {g: math.floor(ratio * n + _EPS) for g, n in sizes.items()}
+        removed = {g: _lowest(group_scores[g], min(want.get(g, 0), limits[g]), rng)
+                   for g in sizes}
+    if round_to is not None and round_to > 1:
+        removed = {g: _round_kept(chs, sizes[g], round_to, group_scores[g])
+                   for g, chs in removed.items()}
+    return removed
+
+
+def prune_planned(model: onnx.ModelProto, structure: Structure,
+                  removed) -> tuple[onnx.ModelProto, PruneRecord]:
+    """:func:`~onnxdiag.structured.prune.prune_channels` of ``removed``, whatever the head.
+
+    prune_channels measures the pruned model by analysing it again from the head's node
+    name alone, which fails for a head whose features had to be named (``--features``).
+    The widths, parameters and FLOPs it measures do not depend on which layer is the
+    head, so the structure goes in without one. Never modifies ``model``.
+    """
+    return prune_channels(model, dataclasses.replace(structure, head=None), removed)
 
 
 def replay_plan(model: onnx.ModelProto, plan: Plan) -> tuple[onnx.ModelProto, PruneRecord]:
@@ -167,16 +191,27 @@ def replay_plan(model: onnx.ModelProto, plan: Plan) -> tuple[onnx.ModelProto, Pr
     Raises:
         OnnxDiagError: the model's hash is not the plan's, or its groups differ.
     """
+    return prune_planned(model, plan_structure(model, plan), plan.removed)
+
+
+def plan_structure(model: onnx.ModelProto, plan: Plan) -> Structure:
+    """The structure of ``model`` that ``plan`` was made on (its head and features),
+    after checking the plan is this model's.
+
+    Raises:
+        OnnxDiagError: the model's hash is not the plan's, or its groups differ.
+    """
     found = model_hash(model)
     if found != plan.model_hash:
         raise OnnxDiagError(f"The plan was made for model {plan.model_hash[:12]}…, not this "
                             f"one ({found[:12]}…); load the model the plan was made from.")
-    structure = analyze_structure(model, head=plan.head, require_head=plan.head is not None)
+    structure = analyze_structure(model, head=plan.head, features=plan.features,
+                                  require_head=plan.head is not None)
     for gid, n in plan.n_channels.items():
         if gid >= len(structure.groups) or structure.groups[gid].n_channels != n:
             raise OnnxDiagError(f"Channel group {gid} of this model does not match the plan "
                                 f"({n} channels); the plan was made by another version.")
-    return prune_channels(model, structure, plan.removed)
+    return structure
 
 
 def save_plan(plan: Plan, path: str | os.PathLike) -> Path:

@@ -1,4 +1,4 @@
-"""Channel scores computable from the model alone, and group scores (SPEC B6).
+"""Channel scores computable from the model alone, and group scores (docs/METHODS.md §B6).
 
 Scores are "higher = keep".  Layer-level scores map a layer name to one value per
 output channel ``(n_out,)``; group-level scores map a group id to ``(n_channels,)``.
@@ -18,7 +18,8 @@ from ..graph import GraphIndex, Structure
 
 
 def magnitude_scores(model: onnx.ModelProto, structure: Structure) -> dict[str, np.ndarray]:
-    """L2 norm of each layer's output filter (SPEC B6 ``magnitude``): ``{layer: (n_out,)}``.
+    """L2 norm of each layer's output filter (docs/METHODS.md §B6 ``magnitude``):
+    ``{layer: (n_out,)}``.
 
     Conv filters are ``W[o]`` (all input channels and taps), Gemm/MatMul columns the
     weights producing one output feature.  Layers with a computed weight are left out.
@@ -50,7 +51,8 @@ def bn_scale_scores(model: onnx.ModelProto, structure: Structure) -> dict[str, n
 
 
 def random_scores(structure: Structure, seed: int = 0) -> dict[int, np.ndarray]:
-    """Uniform random group-level scores ``{group_id: (n_channels,)}`` (SPEC B6 ``random``)."""
+    """Uniform random group-level scores ``{group_id: (n_channels,)}``
+    (docs/METHODS.md §B6 ``random``)."""
     rng = np.random.default_rng(seed)
     return {g.group_id: rng.random(g.n_channels) for g in structure.groups}
 
@@ -109,6 +111,7 @@ def _checked(values, n: int, what: str) -> np.ndarray:
 
 
 def normalize_minmax(arr: np.ndarray) -> np.ndarray:
-    """``arr`` min–max to [0, 1] (SPEC B6 per-layer normalisation); constant → zeros."""
+    """``arr`` min–max to [0, 1] (docs/METHODS.md §B6, per-layer normalisation); constant →
+    zeros."""
     span = arr.max() - arr.min()
     return (arr - arr.min()) / span if span > 0 else np.zeros_like(arr)
