@@ -92,6 +92,7 @@ def channels_rows(args, ray_executor, LocalExecutor):
     import numpy as np
 
     from onnxdiag.channels.collect import collect_channel_moments, collect_channel_moments_sharded
+    from onnxdiag.commands.base import DataRequest
     from onnxdiag.data.source import open_data
     from onnxdiag.graph import analyze_structure
     from onnxdiag.model.io import get_input_specs, load_model
@@ -113,9 +114,9 @@ def channels_rows(args, ray_executor, LocalExecutor):
         return collect_channel_moments(model, structure, source, seed=0)
 
     def sharded(executor):
-        return lambda: collect_channel_moments_sharded(model, structure, calib,
-                                                       executor=executor, seed=0,
-                                                       batch_size=64)
+        return lambda: collect_channel_moments_sharded(model, structure,
+                                                       DataRequest(calib, batch_size=64),
+                                                       executor=executor, seed=0)
 
     def best(run):
         t, out = float("inf"), None

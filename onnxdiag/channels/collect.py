@@ -18,6 +18,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
+from ..data.request import DataRequest
 from ..errors import OnnxDiagError
 from ..model.expose import expose_channels_last, expose_tensors
 from ..runtime.executor import wants_gpu
@@ -222,7 +223,7 @@ def collect_channel_moments_sharded(model, structure, data, settings: StatsSetti
     """
     from ..model.io import get_input_specs
 
-    request = shards.legacy_request(data, fields)  # (transition) loose data keywords
+    request = DataRequest.of(data)
     settings = StatsSettings.of(settings, **fields)
     check_task_samples(settings.task_samples)  # before the data are opened
     source = request.open(get_input_specs(model))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..commands.base import DataRequest
+from ..data.request import DataRequest
 from ..errors import OnnxDiagError
 from ..runtime.executor import UnitError, raise_failures, receive
 
@@ -55,17 +55,6 @@ class ShardJob:
     batch_size: int
     n_samples: int
     has_labels: bool
-
-
-def legacy_request(data, fields: dict) -> DataRequest:
-    """``data`` as a DataRequest. (transition) A caller still passing the data settings
-    as loose keywords (``labels``, ``limit``, ``batch_size``, with ``seed``) has them
-    removed from ``fields`` into the request; removed once every caller passes a
-    request."""
-    loose = {k: fields.pop(k) for k in ("labels", "limit", "batch_size") if k in fields}
-    if loose:
-        loose["seed"] = fields.get("seed", 0)
-    return DataRequest.of(data, **loose)
 
 
 def shard_data(executor, request: DataRequest, source, ship: bool | None):

@@ -179,26 +179,6 @@ def emit_result(result, fmt: str) -> None:
             click.echo(f"note: {HTML_EXTRA_HINT}.", err=True)
 
 
-# --------------------------------------------------------------------------- (transition)
-# Used by the commands not yet converted to records; removed with the last of them.
-
-def library_kwargs(kwargs: dict) -> dict:
-    """Drop CLI-only keys before calling the library."""
-    return {k: v for k, v in kwargs.items() if k not in ("fmt",)}
-
-
-def sampling_and_providers(f):
-    """The old ``sampling_options``: --limit --seed --batch-size --providers."""
-    return runtime_options()(sampling_options(f))
-
-
-def executor_option(f):
-    return click.option(
-        "--executor", default="local", show_default=True, metavar="local|ray[=ADDRESS]",
-        help="Where the units of work run: local worker processes, a local Ray instance "
-             "(ray), or a running Ray cluster (ray=HOST:PORT). Ray needs the [ray] extra.")(f)
-
-
 def readout_options(f):
     """--targets / --norm / --include-bias of the readout verbs."""
     return stack_options(f, [

@@ -269,14 +269,13 @@ def _scores(m, structure, data, calib, ex, options, ratios, scores, runtime) -> 
 
 
 def _sharded_scores(m, structure, data, ex, options, runtime) -> dict:
-    """ChannelScores per layer from the statistics pass sharded over ``ex``. The one seed
-    of the sharded pass is the verb's (the CLI gives the data the same one)."""
+    """ChannelScores per layer from the statistics pass sharded over ``ex`` (the sampled
+    positions are drawn with the verb's seed; the data subset with the request's)."""
     from ..channels.collect import collect_channel_moments_sharded
     from ..channels.layers import score_collected
 
     stats = collect_channel_moments_sharded(
-        m, structure, data.source, executor=ex, labels=data.labels, limit=data.limit,
-        seed=options.seed, batch_size=data.batch_size, targets=options.targets,
+        m, structure, data, executor=ex, seed=options.seed, targets=options.targets,
         providers=runtime.providers,
         label="Channel statistics" if runtime.progress else None)
     return {name: sc for name, (_, sc, _) in score_collected(m, stats, structure).items()}

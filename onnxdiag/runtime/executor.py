@@ -320,7 +320,7 @@ def _ray_unit(fn, item, *shared):
 def receive(shipped, specs):
     """A worker's DataSource from what :meth:`Executor.ship` sent: the source itself, or a
     request opened here for the model inputs ``specs``."""
-    from ..commands.base import DataRequest
+    from ..data.request import DataRequest
 
     return shipped.open(specs) if isinstance(shipped, DataRequest) else shipped
 

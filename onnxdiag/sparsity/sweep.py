@@ -324,7 +324,7 @@ def run_sweep(pruner: Pruner, grid: Sequence[float], rules: Sequence[str],
     shipped = None
     if eval_source is not None:
         if eval_request is None:  # no path to reopen: the samples themselves are shipped
-            from ..commands.base import DataRequest
+            from ..data.request import DataRequest
 
             eval_request = DataRequest(None)
         shipped = executor.ship(eval_request, eval_source)
