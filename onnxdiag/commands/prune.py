@@ -159,7 +159,7 @@ def _emit(inputs: Inputs, pruned, pruner, alloc, record, *, budget, output, opti
     sidecar["emitted"] = _model_facts(pruned, inputs.structure)
     info = emit_model(final, output, source_path=inputs.path, sidecar=sidecar,
                       protect=protect, verify_feeds=inputs.feeds[0])
-    return _complete_emitted(info, sidecar["emitted"], output)
+    return info
 
 
 def _measure(inputs: Inputs, pruned, final, pruner) -> dict:
@@ -205,23 +205,6 @@ def _model_facts(model, structure, path=None) -> dict:
     if path is not None and os.path.isfile(str(path)):
         facts["file_bytes"] = os.path.getsize(str(path))
     return facts
-
-
-def _complete_emitted(info: dict, facts: dict, output) -> dict:
-    """The emitted model's params / FLOPs next to what emit_model records about the file
-    (path, sha256, file_bytes); the sidecar is rewritten when emit_model left them out."""
-    merged = {**facts, **info["emitted"]}
-    if merged == info["emitted"]:
-        return info
-    from ..model.io import write_text_atomic
-    from ..report import to_json
-
-    info = {**info, "emitted": merged}
-    side = f"{output}.json"
-    mode = os.stat(side).st_mode & 0o777
-    write_text_atomic(side, to_json(info))
-    os.chmod(side, mode)
-    return info
 
 
 def _sparse_storage(pruned, pruner, feeds) -> tuple:

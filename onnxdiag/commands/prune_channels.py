@@ -299,20 +299,19 @@ def _emit(pruned, output, model, section, protect, feeds) -> dict:
     """Write the model (checked by emit_model on ``feeds``) and its sidecar; return the
     section as the sidecar has it (``emitted`` with the params and FLOPs)."""
     from ..model.finalize import emit_model
-    from ..model.io import write_text_atomic
-    from ..report import to_json
 
-    info = emit_model(pruned, output, source_path=model, sidecar=section, protect=protect,
-                      verify_feeds=feeds)
-    emitted = {**info["emitted"], "params": section["record"]["params_after"],
-               "flops": section["record"]["flops_after"]}
     order = ("tool", "source", "emitted", "checks", "comparison", "latency_ms", "accuracy",
              "notes", "nothing_removed", "plan", "record", "recalibration", "finetune",
              "flops_ratio", "params_ratio")
-    info = {**{k: info.get(k) for k in order}, "emitted": emitted,
-            "file_size_ratio": safe_ratio(emitted["file_bytes"], section["source"]["file_bytes"])}
-    write_text_atomic(Path(emitted["path"] + ".json"), to_json(info))  # emitted in full
-    return info
+
+    def complete(info):
+        return {**{k: info.get(k) for k in order}, "file_size_ratio": safe_ratio(
+            info["emitted"]["file_bytes"], info["source"]["file_bytes"])}
+
+    section = {**section, "emitted": {"params": section["record"]["params_after"],
+                                      "flops": section["record"]["flops_after"]}}
+    return emit_model(pruned, output, source_path=model, sidecar=section, protect=protect,
+                      verify_feeds=feeds, complete=complete)
 
 
 def _parameters(output, options, recovery, head, runtime, **requests) -> dict:

@@ -74,14 +74,16 @@ def reload_check(model: onnx.ModelProto, feeds: dict | None = None) -> dict:
 
 
 def emit_model(model: onnx.ModelProto, path, *, source_path=None, sidecar: dict,
-               protect=(), verify_feeds: dict | None = None) -> dict:
+               protect=(), verify_feeds: dict | None = None, complete=None) -> dict:
     """Save ``model`` to ``path`` atomically with ``<path>.json`` beside it.
 
     Before anything is written the model goes through :func:`reload_check` (with
     ``verify_feeds``: its outputs on them are compared with the in-memory model), recorded
-    as ``checks`` in the sidecar. ``sidecar`` also gets the emitted model's path, hash and
-    file size, and the source's size; the input files in ``protect`` are never
-    overwritten. Returns the sidecar dict.
+    as ``checks`` in the sidecar. The sidecar's ``emitted`` record (the caller's facts:
+    params, FLOPs, …) gets the file's path, sha256 and size, and its ``source`` record the
+    source file's size (``source_path``); ``complete(info)`` may then add what depends on
+    them (e.g. a file-size ratio) before the sidecar is written. The input files in
+    ``protect`` are never overwritten. Returns the sidecar dict.
     """
     checks = reload_check(model, verify_feeds)
     out = check_output_path(path, protect=protect)
@@ -90,10 +92,13 @@ def emit_model(model: onnx.ModelProto, path, *, source_path=None, sidecar: dict,
     save_model(model, out, protect=protect)
     info = dict(sidecar)
     info.setdefault("checks", checks)
-    info["emitted"] = {"path": str(out), "sha256": model_hash(model),
-                       "file_bytes": os.path.getsize(out)}
+    info["emitted"] = {**(info.get("emitted") or {}), "path": str(out),
+                       "sha256": model_hash(model), "file_bytes": os.path.getsize(out)}
     if source_path is not None and Path(source_path).is_file():
-        info["source_file_bytes"] = os.path.getsize(source_path)
+        info["source"] = {**(info.get("source") or {}),
+                          "file_bytes": os.path.getsize(source_path)}
+    if complete is not None:
+        info = complete(info)
     from .io import write_text_atomic
 
     write_text_atomic(sidecar_path, to_json(info))
