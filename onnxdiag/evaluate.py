@@ -98,9 +98,12 @@ def evaluate_model(runner: OrtRunner, head, source, *, label: str | None = None)
     if not source.has_labels:
         raise DataError("--eval-data has no labels; evaluation needs labelled data (an npz "
                         "with a 'labels' key, --eval-labels FILE, or class sub-folders).")
+    from .data.labels import check_batch_labels, source_name
+
     acc = EvalAccumulator()
     for batch, outputs in runner.stream(source, [head.features, head.logits], label=label):
         _, U = head_arrays(outputs, head)
+        check_batch_labels(batch.labels, batch.indices, U.shape[1], source_name(source))
         acc.update(U, batch.labels)
     return acc.result()
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..data.labels import check_batch_labels
 from ..evaluate import head_arrays
 from ..stats import Moments, draw_positions
 from .taps import InputTap
@@ -107,6 +108,8 @@ class BatchFolder:
         """Fold ``out`` (the pass's outputs for ``batch``); the number of images."""
         s = self.settings
         _, U = head_arrays(out, self.head)
+        if self.targets == "labels":
+            check_batch_labels(batch.labels, batch.indices, U.shape[1], "the --data labels")
         t = target_margin(U, batch.labels if self.targets == "labels" else None)
         t_null = _shuffle(t, s.seed, batch.indices)
         both = np.column_stack([t, t_null])

@@ -14,9 +14,11 @@ Exit status: 0 done; 1 a user error (``error: …``, one line); 2 a usage error 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import traceback
+import warnings
 
 import click
 
@@ -72,7 +74,8 @@ class _Group(click.Group):
 
     def invoke(self, ctx):
         try:
-            return super().invoke(ctx)
+            with _warnings_as_lines():
+                return super().invoke(ctx)
         except _CLICK_EXITS:
             raise
         except OnnxDiagError as exc:
@@ -91,6 +94,25 @@ class _Group(click.Group):
             _show_traceback(exc)
         click.echo(line, err=True)
         ctx.exit(status)
+
+
+@contextlib.contextmanager
+def _warnings_as_lines():
+    """Warnings meant for the user (data.source.DataWarning) print as one ``warning: …``
+    line on stderr; other warnings keep Python's handling."""
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if category.__name__ == "DataWarning":
+            click.echo(f"warning: {_one_line(message)}", err=True)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

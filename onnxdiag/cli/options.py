@@ -61,7 +61,7 @@ def data_options(role: str = "", *, required: bool = False, help: str | None = N
 
 
 def sampling_options(f):
-    """--limit (calibration data only), --seed, --batch-size."""
+    """--limit (calibration data only), --seed, --batch-size, --cast."""
     return stack_options(f, [
         click.option("--limit", type=click.IntRange(min=1), default=None,
                      help="Use at most this many --data samples (a seeded random subset)."),
@@ -69,6 +69,10 @@ def sampling_options(f):
                      help="Seed for the sample subset and any random choice."),
         click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True,
                      help="Samples per ONNX Runtime run."),
+        click.option("--cast", is_flag=True,
+                     help="Cast data of another numeric dtype (e.g. uint8 images) to the model's "
+                          "input dtype as they are, without scaling; a warning names the value "
+                          "range. Without it such a mismatch is an error."),
     ])
 
 
@@ -145,12 +149,13 @@ def take_records(kwargs: dict, *, roles=("",), sourceless: bool = False) -> Reco
     data (``analyze`` on the bundled sample)."""
     seed = kwargs.get("seed", 0)
     limit, batch_size = kwargs.pop("limit", None), kwargs.pop("batch_size", 64)
+    cast = kwargs.pop("cast", False)
     data = {}
     for role in roles:
         key = role.replace("-", "_")
         source, labels = kwargs.pop(f"{key}data", None), kwargs.pop(f"{key}labels", None)
         fields = dict(labels=labels, limit=limit if role == "" else None, seed=seed,
-                      batch_size=batch_size)
+                      batch_size=batch_size, cast=cast)
         data[ROLES[role][0]] = (DataRequest(source, **fields) if sourceless
                                 else DataRequest.of(source, **fields))
     head = HeadChoice(kwargs.pop("head", None), kwargs.pop("features", None))

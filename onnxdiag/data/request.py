@@ -19,6 +19,9 @@ class DataRequest:
     in-memory arrays ({input name: array}, with ``labels`` optional) or a reader.
     ``labels``: a labels file or array when the source has none. ``limit``: at most this
     many samples, a seeded random subset (``seed``). ``batch_size``: samples per run.
+    ``cast``: data of another numeric dtype than the model input are cast as they are (no
+    scaling; integers into a float input warn with their value range); without it such a
+    mismatch is a one-line DataError.
     """
 
     source: Any
@@ -26,6 +29,7 @@ class DataRequest:
     limit: int | None = None
     seed: int = 0
     batch_size: int = 64
+    cast: bool = False
 
     @classmethod
     def of(cls, value, **fields) -> DataRequest | None:
@@ -40,7 +44,8 @@ class DataRequest:
         from ..data.source import open_data
 
         return open_data(self.source, specs, labels=self.labels, limit=self.limit,
-                         seed=self.seed, batch_size=self.batch_size, progress=progress)
+                         seed=self.seed, batch_size=self.batch_size, progress=progress,
+                         cast=self.cast)
 
     @property
     def by_path(self) -> bool:
@@ -52,7 +57,8 @@ class DataRequest:
 
     def in_memory(self, source) -> DataRequest:
         """The same request with its samples read from the opened ``source`` into arrays
-        (in order, labels included), to ship to workers that cannot read the path."""
+        (in order, labels included, already cast), to ship to workers that cannot read the
+        path."""
         arrays, labels = source.to_arrays()
         return DataRequest(arrays, labels=labels, seed=self.seed,
                            batch_size=source.batch_size)
@@ -63,4 +69,5 @@ class DataRequest:
             return v if v is None or isinstance(v, (str, int, float, Path)) else \
                 f"<{type(v).__name__}>"
         return {"source": show(self.source), "labels": show(self.labels),
-                "limit": self.limit, "seed": self.seed, "batch_size": self.batch_size}
+                "limit": self.limit, "seed": self.seed, "batch_size": self.batch_size,
+                "cast": self.cast}
