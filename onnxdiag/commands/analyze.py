@@ -116,7 +116,8 @@ def _single_model_report(command, path, roles, options, head, runtime, report):
         model = load_model(path)
         structure = analyze_structure(model, head=head.head, features=head.features)
         specs = get_input_specs(model)
-        probe, evaluation = (None if req is None else req.open(specs)
+        classes = structure.head.n_classes if structure.head is not None else None
+        probe, evaluation = (None if req is None else req.open(specs, classes=classes)
                              for req in (roles["data"], roles["eval_data"]))
         sections, texts, runner = _sections(command, path, model, structure, probe,
                                             evaluation, options, runtime)

@@ -73,6 +73,15 @@ def resolve_round_to(round_to) -> int | None:
                                   f"{round_to!r}.")
 
 
+def check_labels(structure, *sources) -> None:
+    """Every labelled source's labels lie in the model's classes (one-line DataError)."""
+    from ..data.labels import check_label_range
+
+    for source in sources:
+        if source is not None and source.has_labels and structure.head is not None:
+            check_label_range(source, structure.head.n_classes)
+
+
 def open_request(request, specs):
     """The DataSource of a DataRequest for a model's inputs ``specs`` (None stays None)."""
     return None if request is None else request.open(specs)

@@ -128,7 +128,8 @@ def _model_channels(path, request: DataRequest, options: ChannelsOptions, head: 
     structure = analyze_structure(model, head=head.head, features=head.features)
     label = "Channel statistics" if runtime.progress else None
     if ex.in_process:  # one streaming pass here, as without an executor
-        stats = collect_channel_moments(model, structure, request.open(get_input_specs(model)),
+        source = request.open(get_input_specs(model), classes=structure.head.n_classes)
+        stats = collect_channel_moments(model, structure, source,
                                         options.settings(), providers=runtime.providers,
                                         label=label)
     else:

@@ -81,8 +81,9 @@ def lesion_report(model, *, data=None, eval_data, options: LesionOptions,
     structure = analyze_structure(m, head=head.head, features=head.features)
     _check_layers(options.layers, structure)
     specs = get_input_specs(m)
-    evaluation = eval_request.open(specs)
-    source = None if request is None else request.open(specs)
+    classes = structure.head.n_classes
+    evaluation = eval_request.open(specs, classes=classes)
+    source = None if request is None else request.open(specs, classes=classes)
     scores = _channel_scores(m, structure, source, options, runtime)
     o = options
     study = lesion_study(m, structure, evaluation, layers=list(o.layers),

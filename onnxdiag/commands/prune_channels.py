@@ -25,6 +25,7 @@ from .base import (
 )
 from .channel_pruning import (
     Recovery,
+    check_labels,
     finetune_pruned,
     open_request,
     pruned_structure,
@@ -98,6 +99,8 @@ def prune_channels_report(model, *, output, data=None, eval_data=None, train_dat
         notes = []
     else:
         structure = analyze_structure(m, head=head.head, features=head.features)
+    check_labels(structure, calib, evaluation, train)  # before the statistics pass
+    if options.plan is None:
         the_plan, notes = _new_plan(m, structure, calib, options, head, runtime)
     pruned, p_struct, record, steps = _prune_and_recover(
         m, structure, the_plan, (calib, evaluation, train), recovery,

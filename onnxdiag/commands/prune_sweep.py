@@ -31,6 +31,7 @@ from .base import (
 )
 from .channel_pruning import (
     Recovery,
+    check_labels,
     finetune_pruned,
     open_request,
     recalibrate_pruned,
@@ -135,6 +136,7 @@ def prune_sweep_report(model, *, eval_data, data=None, train_data=None,
     _check_prunable(structure)
     requests = (data, eval_data, train_data)
     calib, evaluation, train = sources = _open(get_input_specs(m), requests, recovery)
+    check_labels(structure, *sources)
     dense, dense_after = _dense(m, structure, sources, recovery, options.seed, head, runtime)
     rows, failed, notes, ran_on = _run(m, structure, requests, sources, options,
                                        (ratios, scores, round_to), recovery, head, runtime)

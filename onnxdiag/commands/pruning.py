@@ -124,9 +124,10 @@ def open_inputs(model, data, eval_data=None, *, head: HeadChoice | None = None,
     m = load_model(model)
     structure = analyze_structure(m, head=head.head, features=head.features)
     specs = get_input_specs(m)
-    calib = DataRequest.of(data).open(specs)
+    classes = structure.head.n_classes if structure.head is not None else None
+    calib = DataRequest.of(data).open(specs, classes=classes)
     request = DataRequest.of(eval_data)
-    evaluation = None if request is None else request.open(specs)
+    evaluation = None if request is None else request.open(specs, classes=classes)
     return Inputs(model, m, structure, specs, calib, materialize(calib), evaluation,
                   find_prunable(structure, keep_dense))
 

@@ -39,13 +39,20 @@ class DataRequest:
             return value
         return cls(value, **fields)
 
-    def open(self, specs, *, progress: bool = False):
-        """The validated :class:`~onnxdiag.data.source.DataSource` for a model's inputs."""
+    def open(self, specs, *, classes: int | None = None, progress: bool = False):
+        """The validated :class:`~onnxdiag.data.source.DataSource` for a model's inputs
+        ``specs``; with ``classes`` (the model's class count) its labels are checked to lie
+        in ``[0, classes)`` before any work (streams: as each batch is read)."""
         from ..data.source import open_data
 
-        return open_data(self.source, specs, labels=self.labels, limit=self.limit,
-                         seed=self.seed, batch_size=self.batch_size, progress=progress,
-                         cast=self.cast)
+        source = open_data(self.source, specs, labels=self.labels, limit=self.limit,
+                           seed=self.seed, batch_size=self.batch_size, progress=progress,
+                           cast=self.cast)
+        if classes and source.has_labels:
+            from .labels import check_label_range
+
+            check_label_range(source, classes)
+        return source
 
     @property
     def by_path(self) -> bool:
