@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What structured channel pruning (SPEC B6, issue 6) buys on ONNX Runtime CPU.
+"""What structured channel pruning (METHODS §B6, issue 6) buys on ONNX Runtime CPU.
 
     python benchmarks/bench_prune.py [--model models/sample/model.onnx] [--ratio 0.5]
 

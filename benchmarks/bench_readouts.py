@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Readouts (SPEC A) cost: onnxdiag vs plain ORT inference vs an equivalent PyTorch pipeline.
+"""Readouts (METHODS §A) cost: onnxdiag vs plain ORT inference vs an equivalent PyTorch pipeline.
 
     python benchmarks/bench_readouts.py [--sample models/sample] [--n 5000]
 

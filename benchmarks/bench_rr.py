@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Cost of the RR curves (SPEC C2) against one dense pass and against the naive method.
+"""Cost of the RR curves (METHODS §C2) against one dense pass and against the naive method.
 
     OPENBLAS_NUM_THREADS=1 python benchmarks/bench_rr.py [--n 1000] [--repeat 3]
 

@@ -1,4 +1,4 @@
-"""Streaming float64 accumulators and spatial sampling (SPEC B1, ARCHITECTURE invariant 5).
+"""Streaming float64 accumulators and spatial sampling (METHODS §B1, ARCHITECTURE invariant 5).
 
 Every statistic is folded in batch by batch and the batch is dropped: memory grows
 with the number of features (channels), never with the number of samples.  The
@@ -169,7 +169,7 @@ class JointMoments:
     """Moments of features ``y`` ``(n_samples, n_features)`` and a per-sample target ``t``.
 
     The target is kept as an extra last column of one :class:`Moments`, so all
-    cross-moments (SPEC B1: n, Σy, Σyyᵀ, Σt, Σt², Σt·y) come from one accumulator.
+    cross-moments (METHODS §B1: n, Σy, Σyyᵀ, Σt, Σt², Σt·y) come from one accumulator.
     """
 
     def __init__(self, n_features: int) -> None:
@@ -241,7 +241,7 @@ def draw_positions(
     (SplitMix64) mapped uniformly onto ``[0, n_spatial)`` with replacement, so an
     image gets the same positions whatever batch it arrives in, and the draw is
     vectorised over the batch.  When ``n_spatial <= n_positions`` every position is
-    taken once, in order (SPEC B1).
+    taken once, in order (METHODS §B1).
     """
     indices = np.asarray(sample_indices, dtype=np.int64).reshape(-1)
     if n_spatial <= n_positions:
@@ -294,7 +294,7 @@ def sample_positions(
 def spatial_mean(x: np.ndarray) -> np.ndarray:
     """Per-image spatial mean in float64: ``(n_images, n_channels, *spatial)`` → ``(n, C)``.
 
-    A 2-D ``x`` is returned as float64 unchanged (``--task-samples gap``, SPEC B3).
+    A 2-D ``x`` is returned as float64 unchanged (``--task-samples gap``, METHODS §B3).
     """
     x = np.asarray(x)
     if x.ndim < 2:

@@ -1,4 +1,4 @@
-"""SPEC B2-B5 channel scores: oracles on Gaussians with a known covariance, invariances, k-means,
+"""METHODS §B2-B5 channel scores: oracles on Gaussians with a known covariance, invariances, k-means,
 ARI, the permutation floor and the damage test."""
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def test_peer_r2_against_least_squares_on_data():
 
 
 def test_signal_power_is_filter_quadratic_form_of_patch_covariance():
-    """J_i = Var(y_i) = w_iᵀ Σ_X w_i with Σ_X from explicit im2col patches (SPEC B2)."""
+    """J_i = Var(y_i) = w_iᵀ Σ_X w_i with Σ_X from explicit im2col patches (METHODS §B2)."""
     rng = np.random.default_rng(5)
     x = rng.normal(size=(4, 3, 7, 7)) + rng.normal(size=(1, 3, 1, 1))
     w = rng.normal(size=(5, 3, 3, 3))

@@ -41,7 +41,7 @@ def test_analyze_bundled_sample(tmp_path):
     assert ro["readouts"]["targets"] == "labels"
     assert 0.5 < ro["evaluation"]["accuracy"] <= 1.0
     text = (out / "report.txt").read_text()
-    assert "== Structure ==" in text and "== Readouts (SPEC A) ==" in text
+    assert "== Structure ==" in text and "== Readouts (docs/METHODS.md §A) ==" in text
     assert "head_grad_feature" in result.output
 
 

@@ -1,4 +1,4 @@
-"""CLI of the SPEC C verbs: rr, prune, sweep — help, happy paths, user errors."""
+"""CLI of the METHODS §C verbs: rr, prune, sweep — help, happy paths, user errors."""
 
 from __future__ import annotations
 

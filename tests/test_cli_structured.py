@@ -1,4 +1,4 @@
-"""CLI for structured pruning (SPEC B6): prune-channels and prune-sweep on tiny corpus
+"""CLI for structured pruning (METHODS §B6): prune-channels and prune-sweep on tiny corpus
 models — outputs, plan replay to the same bytes, refusals (exit 1, one line, nothing
 written), the sweep's FLOPs matching, normalised AUC and one statistics pass per sweep.
 

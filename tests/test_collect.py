@@ -1,4 +1,4 @@
-"""The channel-statistics pass (SPEC B1): streamed moments equal NumPy on the concatenated
+"""The channel-statistics pass (METHODS §B1): streamed moments equal NumPy on the concatenated
 spatial samples for any batch split; targets; gap mode; the channels verb end to end."""
 
 import corpus

@@ -1,4 +1,4 @@
-"""Recovery fine-tuning on ONNX (SPEC B6) through onnxruntime-training.
+"""Recovery fine-tuning on ONNX (METHODS §B6) through onnxruntime-training.
 
 onnxruntime-training replaces onnxruntime, so it lives in its own environment
 (``pip install -e '.[training,test]'`` in a separate venv).  Every test that trains takes

@@ -1,4 +1,4 @@
-"""Channel groups (SPEC B6): coupling through residual Add, depthwise convs, gating Mul,
+"""Channel groups (METHODS §B6): coupling through residual Add, depthwise convs, gating Mul,
 Concat offsets, Flatten blocks; conservative refusal for ops that mix channels.
 
 Oracle for offsets and blocks: zeroing one output channel of a member (weight row and

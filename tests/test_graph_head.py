@@ -1,4 +1,4 @@
-"""Head discovery (SPEC A1) on the corpus, real exporters, overrides and failures.
+"""Head discovery (METHODS §A1) on the corpus, real exporters, overrides and failures.
 
 Oracle: with the features and logits tensors exposed, ONNX Runtime's logits equal
 Z Wᵀ + b computed from the returned W, b (so W's orientation is right), and the

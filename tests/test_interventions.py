@@ -1,4 +1,4 @@
-"""SPEC B5 interventions: equivalence tests on real ONNX Runtime runs of tests/corpus.py models.
+"""METHODS §B5 interventions: equivalence tests on real ONNX Runtime runs of tests/corpus.py models.
 
 References are built independently of onnxdiag.interventions: the ORIGINAL model with a
 Mul-by-mask node inserted after the tensor whose channel should be 0.

@@ -1,4 +1,4 @@
-"""Oracle tests for onnxdiag.readouts (SPEC A1, A2): closed forms vs brute force."""
+"""Oracle tests for onnxdiag.readouts (METHODS §A1, A2): closed forms vs brute force."""
 
 import json
 import math

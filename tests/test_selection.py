@@ -1,4 +1,4 @@
-"""Tests for onnxdiag.selection (SPEC A3) on hand-checkable series."""
+"""Tests for onnxdiag.selection (METHODS §A3) on hand-checkable series."""
 
 import json
 import math

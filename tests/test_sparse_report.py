@@ -1,4 +1,4 @@
-"""SPEC C verbs as a library: grids, RR report, emitted pruned models, sweeps, bands."""
+"""METHODS §C verbs as a library: grids, RR report, emitted pruned models, sweeps, bands."""
 
 from __future__ import annotations
 

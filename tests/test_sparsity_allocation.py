@@ -1,4 +1,4 @@
-"""SPEC C3 allocations: the ERK table oracle, exact budgets, brute-force global / LAMP, RR rules."""
+"""METHODS §C3 allocations: the ERK table oracle, exact budgets, brute-force global / LAMP, RR rules."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from onnxdiag.sparsity import (
 
 
 def resnet18_cifar100() -> list[LayerInfo]:
-    """CIFAR ResNet-18 of the SPEC C3 table: 3×3 stem 3→64, 20 convs + fc 512→100."""
+    """CIFAR ResNet-18 of the METHODS §C3 table: 3×3 stem 3→64, 20 convs + fc 512→100."""
     c = LayerInfo.conv
     infos = [c("stem", 3, 64)] + [c(f"layer1.{i}", 64, 64) for i in range(4)]
     for stage, (cin, cout) in enumerate([(64, 128), (128, 256), (256, 512)], start=2):
@@ -29,7 +29,7 @@ def resnet18_cifar100() -> list[LayerInfo]:
     return infos + [LayerInfo.linear("fc", 512, 100)]
 
 
-# name: (density at S=0.90, density at S=0.95) from SPEC C3
+# name: (density at S=0.90, density at S=0.95) from METHODS §C3
 ERK_TABLE = {
     "stem": (1, 1), "layer1.0": (0.4611, 0.2200), "layer2.0": (0.3406, 0.1626),
     "layer2.1": (0.2254, 0.1076), "layer2.proj": (1, 1), "layer3.0": (0.1677, 0.0800),

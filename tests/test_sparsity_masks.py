@@ -1,4 +1,4 @@
-"""SPEC C1 masks: exact counts, tie rule, prunable set, masks applied on a copy."""
+"""METHODS §C1 masks: exact counts, tie rule, prunable set, masks applied on a copy."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def test_find_prunable_is_every_conv_and_the_head():
     structure = analyze_structure(load_model(residual_block()))
     names = [la.node_name for la in find_prunable(structure)]
     assert sorted(names) == sorted(["stem", "c1", "c2", "c3", "c4", "proj", "head"])
-    # an MLP hidden layer is neither a conv nor the head (SPEC C1)
+    # an MLP hidden layer is neither a conv nor the head (METHODS §C1)
     assert [la.node_name for la in find_prunable(analyze_structure(load_model(mlp_head())))] \
         == ["fc2"]
 

@@ -1,4 +1,4 @@
-"""SPEC C1 repair: BN recalibration as a fixed point, CR+BN ≈ BN, folded-BN affine, s = 0."""
+"""METHODS §C1 repair: BN recalibration as a fixed point, CR+BN ≈ BN, folded-BN affine, s = 0."""
 
 from __future__ import annotations
 

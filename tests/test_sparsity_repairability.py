@@ -1,4 +1,4 @@
-"""SPEC C2: offline single-layer evaluation equals ONNX Runtime; RR curves against brute force."""
+"""METHODS §C2: offline single-layer evaluation equals ONNX Runtime; RR curves against brute force."""
 
 from __future__ import annotations
 
@@ -235,7 +235,7 @@ def test_sampled_columns_are_the_drawn_rows_of_the_full_im2col(build):
 
 
 def _explicit_rr(op, cols, w, grid):
-    """(D_raw, D_repair) (n_s,) from explicit columns in float64, SPEC C2 definition."""
+    """(D_raw, D_repair) (n_s,) from explicit columns in float64, METHODS §C2 definition."""
     c = cols.astype(np.float64)
     m = weight_matrix_f64(op, w)
     yd = _apply64(c, m)
@@ -263,7 +263,7 @@ def _apply64(cols, matrix):
 
 @pytest.mark.parametrize("strategy", ["gram", "incremental"])
 def test_sampled_rr_equals_the_definition_on_the_sampled_patches(strategy):
-    """With sampling, D_raw / D_repair are the SPEC C2 moments over exactly the sampled
+    """With sampling, D_raw / D_repair are the METHODS §C2 moments over exactly the sampled
     patches (so the sampled Σ_X is the explicit one), for both evaluation schemes; with
     positions='all' they equal the every-position two-pass definition in float64 to 1e-6
     (one-pass float64 Gram moments; float32 dense outputs for incremental)."""

@@ -1,4 +1,4 @@
-"""SPEC C4 label-free transition detection on synthetic agreement curves."""
+"""METHODS §C4 label-free transition detection on synthetic agreement curves."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Structured pruning (SPEC B6): physical channel removal equals the masked model.
+"""Structured pruning (METHODS §B6): physical channel removal equals the masked model.
 
 Equivalence oracle: removing channels physically gives the same outputs (ONNX Runtime,
 atol 1e-5) as the ORIGINAL model with those channels zeroed at their source — member

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Channel-axes study on the zoo (SPEC B4, B6): one command, Markdown tables on stdout.
+"""Channel-axes study on the zoo (METHODS §B4, B6): one command, Markdown tables on stdout.
 
     python tools/study_channels.py --zoo /work/zoo > channels.md
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Readout study on the zoo (SPEC A2/A3): one command, Markdown tables on stdout.
+"""Readout study on the zoo (METHODS §A2/A3): one command, Markdown tables on stdout.
 
     python tools/study_readouts.py --zoo /work/zoo > readouts.md
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Repairability study on the zoo (SPEC C4): one command, Markdown tables on stdout.
+"""Repairability study on the zoo (METHODS §C4): one command, Markdown tables on stdout.
 
     python tools/study_repair.py --zoo /work/zoo > repair.md
 

@@ -1,4 +1,4 @@
-"""Structure of the two channel axes (SPEC B4) and the test of the claim (SPEC B5).  NumPy/SciPy.
+"""Structure of the two channel axes (METHODS §B4) and the test of the claim (METHODS §B5).  NumPy/SciPy.
 
 k-means (Lloyd with k-means++ seeding) and the Adjusted Rand Index are implemented here so that
 scikit-learn stays a test-only dependency.  Inputs are :class:`onnxdiag.channels.ChannelScores`
@@ -18,8 +18,8 @@ from scipy import stats
 from ..errors import DataError
 from .scores import ChannelScores
 
-LOCAL_AXIS = ("input_capture", "peer_overlap")  # SPEC B4: (I_X, R̄_X)
-TARGET_AXIS = ("task_info", "synergy")  # SPEC B4: (I(T;Y), Syn)
+LOCAL_AXIS = ("input_capture", "peer_overlap")  # METHODS §B4: (I_X, R̄_X)
+TARGET_AXIS = ("task_info", "synergy")  # METHODS §B4: (I(T;Y), Syn)
 ALIGNMENTS = {"input_capture_vs_task_info": ("input_capture", "task_info"),
               "peer_overlap_vs_synergy": ("peer_overlap", "synergy")}
 DAMAGE_SCORES = ("peer_r2", "task_info", "input_capture")
@@ -161,7 +161,7 @@ def _require_target(scores: ChannelScores) -> None:
 
 
 def axis_alignment(scores: ChannelScores) -> dict:
-    """Per-layer Spearman of I_X vs I(T;Y) and of R̄_X vs Syn (SPEC B4).
+    """Per-layer Spearman of I_X vs I(T;Y) and of R̄_X vs Syn (METHODS §B4).
 
     Returns ``{"layer", "n_channels", name: spearman-dict}`` for each name in ALIGNMENTS;
     nan with a reason when a score is constant.  Raises DataError without the target axis.
@@ -175,7 +175,7 @@ def axis_alignment(scores: ChannelScores) -> dict:
 
 def cluster_axes(scores: ChannelScores, k: int = 4, n_init: int = 10,
                  seed: int = 0) -> tuple[np.ndarray, np.ndarray, float]:
-    """k-means on z-scored (I_X, R̄_X) and on z-scored (I(T;Y), Syn); ARI between (SPEC B4).
+    """k-means on z-scored (I_X, R̄_X) and on z-scored (I(T;Y), Syn); ARI between (METHODS §B4).
 
     Returns ``(labels_local (C,), labels_target (C,), ari)``; both clusterings use ``seed``.
     Raises DataError without the target axis or with fewer than k channels.
@@ -190,7 +190,7 @@ def cluster_axes(scores: ChannelScores, k: int = 4, n_init: int = 10,
 
 def summarize_layers(layers: Sequence[ChannelScores], *, k: int = 4, n_init: int = 10,
                      seed: int = 0) -> dict:
-    """Alignment and clustering per layer, and their medians over layers (SPEC B4).
+    """Alignment and clustering per layer, and their medians over layers (METHODS §B4).
 
     Layers without the target axis or with fewer than ``k`` channels are listed with a
     ``reason`` and left out of the medians.  Returns ``{"n_layers", "layers": [...],
@@ -241,7 +241,7 @@ def _r_squared(design: np.ndarray, y: np.ndarray) -> float:
 
 
 def damage_test(damage, task_info, peer_r2, i_x, n_bins: int = 4) -> dict:
-    """Does peer support predict lesion damage at matched task relevance? (SPEC B5).
+    """Does peer support predict lesion damage at matched task relevance? (METHODS §B5).
 
     Args:
         damage, task_info, peer_r2, i_x: ``(n,)`` per channel (layers may be pooled):

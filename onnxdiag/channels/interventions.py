@@ -1,4 +1,4 @@
-"""SPEC B5 interventions: channel lesions and peer substitution as inference-only graph edits.
+"""METHODS §B5 interventions: channel lesions and peer substitution as inference-only graph edits.
 
 Every edit is made with :class:`onnxdiag.model.edit.ModelEditor` on a private copy (no
 function here modifies the model it is given) and comes back through its checked
@@ -41,7 +41,7 @@ from ..model.edit import ModelEditor
 from ..model.expose import expose_tensors
 from ..runtime.runner import OrtRunner
 
-#: Recovery is undefined (None) when the lesion damage is at most this (SPEC B5 ratio).
+#: Recovery is undefined (None) when the lesion damage is at most this (METHODS §B5 ratio).
 MIN_DAMAGE = 1e-6
 
 
@@ -123,7 +123,7 @@ def lesion_note(layer: Layer) -> str:
 
 def lesion_channels(model: onnx.ModelProto, layer: Layer, channels: Sequence[int]
                     ) -> onnx.ModelProto:
-    """A copy of ``model`` with output channels ``channels`` of ``layer`` zeroed (SPEC B5).
+    """A copy of ``model`` with output channels ``channels`` of ``layer`` zeroed (METHODS §B5).
 
     BN-aware as in the module docstring; shapes re-inferred, full checker passed.  Works for
     Conv, ConvTranspose, Gemm and MatMul layers.  Never modifies ``model``.
@@ -177,7 +177,7 @@ def substitute_channels(model: onnx.ModelProto, layer: Layer, channels: Sequence
                         peers: Sequence[Sequence[int]], beta: Sequence[Sequence[float]],
                         intercept: Sequence[float]) -> onnx.ModelProto:
     """A copy of ``model`` where y_c (c = channels[k]) of ``layer``'s pre-BN output is
-    replaced by intercept[k] + beta[k] @ y[peers[k]] (SPEC B5 peer substitution).
+    replaced by intercept[k] + beta[k] @ y[peers[k]] (METHODS §B5 peer substitution).
 
     One inserted node (1×1 Conv; MatMul+Add for Gemm/MatMul) reads the original outputs.
     Shapes re-inferred, full checker passed.  Never modifies ``model``.
@@ -205,7 +205,7 @@ class _Record:
 
 @dataclass(frozen=True, eq=False)
 class ChannelLesion(_Record):
-    """One channel's lesion (and substitution) result (SPEC B5).
+    """One channel's lesion (and substitution) result (METHODS §B5).
 
     damage = loss(lesioned) − loss(base); acc_drop in percentage points; ``sub_*`` for the
     peer-substituted model (None without); recovery = (damage − sub_damage) / damage, None
@@ -348,7 +348,7 @@ def lesion_study(model: onnx.ModelProto, structure, eval_source, *, layers: Sequ
                  seed: int = 0, scores: dict | None = None, substitute: bool = False,
                  pairs: int = 0, providers=None, progress_label: str | None = None
                  ) -> LesionStudy:
-    """SPEC B5 lesions of ``layers`` evaluated on labelled, re-readable ``eval_source``.
+    """METHODS §B5 lesions of ``layers`` evaluated on labelled, re-readable ``eval_source``.
 
     Per (layer, channel): damage and accuracy drop vs the base model (evaluated once); with
     ``substitute`` and ``scores[layer]`` (ChannelScores with intercepts) the substituted

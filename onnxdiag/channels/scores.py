@@ -1,10 +1,10 @@
-"""Part B of SPEC.md: two axes of channel information from accumulated moments.  Pure NumPy/SciPy.
+"""METHODS Part B: two axes of channel information from accumulated moments.  Pure NumPy/SciPy.
 
-Inputs are one layer's finalised, unbiased (ddof=1) moments of the pre-BN Conv output (SPEC B1):
+Inputs are one layer's finalised, unbiased (ddof=1) moments of the pre-BN Conv output (METHODS §B1):
 ``cov_yy`` (n_channels, n_channels), and for the target axis ``cov_yt`` (n_channels,) and ``var_t``.
 Nothing here sees a sample, so memory and time are O(C²) per layer (C up to ~512 is instant).
 
-Our conventions where SPEC B2-B3 leave a detail open (echoed in ``ChannelScores.params``):
+Our conventions where METHODS §B2-B3 leave a detail open (echoed in ``ChannelScores.params``):
 - Correlation: rho_ij = S_ij / (s_i s_j) with s_i = sqrt(max(S_ii, guard)); a dead channel has
   rho = 0 with everything.  Every rho-based score (R, R², I(T;Y), pair information) uses rho
   clipped to ±rho_clip so exact duplicates give finite logs (an exact duplicate's R² is then
@@ -12,7 +12,7 @@ Our conventions where SPEC B2-B3 leave a detail open (echoed in ``ChannelScores.
 - Peers / partners of i: the j != i ordered by unclipped |rho_ij| descending, ties by lower index;
   k = min(k_peers, C-1) peers for R², min(syn_partners, C-1) partners for Syn / Red_T.
 - Pair information is evaluated in correlation form, ½ ln(det R_ij / det R_Tij) with the ridge on
-  the unit diagonal: SPEC's covariance form with the scales cancelled, hence exactly invariant
+  the unit diagonal: the covariance form of METHODS §B3 with the scales cancelled, hence exactly invariant
   under per-channel affine maps (so are R̄_X, R², I(T;Y), Syn, Red_T; I_X and J are not).
 - Substitution coefficients (:func:`peer_regression`, B5) solve the same ridge on the UNCLIPPED
   correlations and map back to y units: beta_j = gamma_j s_i / s_j, a = mu_i - sum_j beta_j mu_j,
@@ -30,8 +30,8 @@ from scipy import stats
 from ..errors import DataError
 
 GUARD = 1e-12
-PAIR_RIDGE = 1e-10  # SPEC B3: ridge on the pair determinants
-RQ_EPS = 1e-10  # SPEC B2: RQ_i = J_i / (|w_i|² + 1e-10)
+PAIR_RIDGE = 1e-10  # METHODS §B3: ridge on the pair determinants
+RQ_EPS = 1e-10  # METHODS §B2: RQ_i = J_i / (|w_i|² + 1e-10)
 
 SCORES: dict[str, str] = {
     "signal_power": "J_i = Var(y_i) = w_i' S_X w_i (B2)",
@@ -50,7 +50,7 @@ TARGET_SCORES = ("task_corr", "task_info", "synergy", "redundancy")
 
 @dataclass(frozen=True, eq=False)
 class ChannelScores:
-    """Per-channel scores of one layer (SPEC B2-B3).
+    """Per-channel scores of one layer (METHODS §B2-B3).
 
     ``scores`` maps names (keys of SCORES) to ``(n_channels,)`` float64 arrays;
     ``rayleigh_quotient`` needs ``weight``, the target scores need ``cov_yt``/``var_t``.
@@ -118,7 +118,7 @@ def channel_std(cov_yy: np.ndarray, guard: float = GUARD) -> np.ndarray:
 
 
 def correlation_matrix(cov_yy, *, guard: float = GUARD, rho_clip: float | None = None):
-    """``(C, C)`` correlation from a covariance (SPEC B2), unit diagonal.
+    """``(C, C)`` correlation from a covariance (METHODS §B2), unit diagonal.
 
     Off-diagonals are clipped to ``±rho_clip`` when given; a channel with variance
     below ``guard`` is uncorrelated with every other.
@@ -164,7 +164,7 @@ def ridge_gamma(corr: np.ndarray, peers: np.ndarray, ridge: float,
 
 def peer_coefficients(cov_yy, mean_y, peers: np.ndarray, ridge: float = 1e-3, *,
                       rows: np.ndarray | None = None, guard: float = GUARD):
-    """Substitution coefficients in y units for channels ``rows`` (default all) (SPEC B5).
+    """Substitution coefficients in y units for channels ``rows`` (default all) (METHODS §B5).
 
     Args:
         cov_yy: ``(C, C)`` covariance; mean_y: ``(C,)`` means or None.
@@ -186,7 +186,7 @@ def peer_coefficients(cov_yy, mean_y, peers: np.ndarray, ridge: float = 1e-3, *,
 
 def peer_regression(cov_yy, mean_y, i: int, k: int = 10, ridge: float = 1e-3, *,
                     guard: float = GUARD) -> tuple[np.ndarray, np.ndarray, float]:
-    """Ridge reconstruction of channel ``i`` from its ``k`` peers in y units (SPEC B2/B5).
+    """Ridge reconstruction of channel ``i`` from its ``k`` peers in y units (METHODS §B2/B5).
 
     Args:
         cov_yy: ``(C, C)`` covariance; mean_y: ``(C,)`` means; i: the channel.
@@ -205,7 +205,7 @@ def peer_regression(cov_yy, mean_y, i: int, k: int = 10, ridge: float = 1e-3, *,
 
 def task_correlation(cov_yy, cov_yt, var_t: float, *, rho_clip: float = 0.999,
                      guard: float = GUARD) -> np.ndarray:
-    """``(C,)`` rho_{T,i} = cov(y_i, T) / (s_i s_T), clipped to ±rho_clip (SPEC B3).
+    """``(C,)`` rho_{T,i} = cov(y_i, T) / (s_i s_T), clipped to ±rho_clip (METHODS §B3).
 
     Raises DataError when the target is constant (var_t <= guard).
     """
@@ -221,15 +221,15 @@ def task_correlation(cov_yy, cov_yt, var_t: float, *, rho_clip: float = 0.999,
 
 
 def gaussian_information(rho: np.ndarray) -> np.ndarray:
-    """I = max(0, -1/2 ln(1 - rho²)) elementwise: Gaussian MI of a correlation (SPEC B2/B3)."""
+    """I = max(0, -1/2 ln(1 - rho²)) elementwise: Gaussian MI of a correlation (METHODS §B2/B3)."""
     return np.maximum(0.0, -0.5 * np.log1p(-np.square(rho)))
 
 
 def pair_task_information(rho_ti, rho_tj, rho_ij, ridge: float = PAIR_RIDGE) -> np.ndarray:
-    """I(T; Y_i, Y_j) = 1/2 ln(Var_T det S_ij / det S_Tij) in correlation form (SPEC B3).
+    """I(T; Y_i, Y_j) = 1/2 ln(Var_T det S_ij / det S_Tij) in correlation form (METHODS §B3).
 
     Args broadcast together (any shape); the ridge is added to the unit diagonals of
-    R_ij and R_Tij.  Where a determinant is <= 0 the result is 0, as SPEC B3 says.
+    R_ij and R_Tij.  Where a determinant is <= 0 the result is 0, as METHODS §B3 says.
     """
     d = 1.0 + ridge
     rho_ti, rho_tj, rho_ij = np.broadcast_arrays(*(np.asarray(r, np.float64)
@@ -246,7 +246,7 @@ def score_layer(cov_yy, cov_yt=None, var_t: float | None = None, *, layer: str =
                 ridge: float = 1e-3, rho_clip: float = 0.999, guard: float = GUARD,
                 syn_top: int = 10, syn_partners: int = 50,
                 sigma0_floor: float = 1e-12) -> ChannelScores:
-    """Both axes of channel information for one layer from its moments (SPEC B2, B3).
+    """Both axes of channel information for one layer from its moments (METHODS §B2, B3).
 
     Args:
         cov_yy: ``(C, C)`` unbiased covariance of the pre-BN conv output, C >= 2.
@@ -283,7 +283,7 @@ def score_layer(cov_yy, cov_yt=None, var_t: float | None = None, *, layer: str =
 
 
 def _local_scores(cov, corr, peers, weight, ridge, sigma0_floor):
-    """SPEC B2: J, RQ, I_X, R̄_X and R² (dict of (C,) arrays) and the sigma0² used."""
+    """METHODS §B2: J, RQ, I_X, R̄_X and R² (dict of (C,) arrays) and the sigma0² used."""
     n_channels = cov.shape[0]
     power = np.maximum(np.diag(cov).copy(), 0.0)
     scores = {"signal_power": power}
@@ -303,7 +303,7 @@ def _local_scores(cov, corr, peers, weight, ridge, sigma0_floor):
 
 
 def _target_scores(rho_t, corr, partners, syn_top):
-    """SPEC B3: I(T;Y_i), Syn(i), Red_T(i) over ``partners`` (C, m), vectorised over pairs."""
+    """METHODS §B3: I(T;Y_i), Syn(i), Red_T(i) over ``partners`` (C, m), vectorised over pairs."""
     info = gaussian_information(rho_t)
     rho_ij = corr[np.arange(len(rho_t))[:, None], partners]
     joint = pair_task_information(rho_t[:, None], rho_t[partners], rho_ij)
@@ -353,7 +353,7 @@ class PermutationFloor:
 def permutation_floor(cov_yy, cov_yt_null, var_t_null: float, *, n_images: int | None = None,
                       quantile: float = 0.95, rho_clip: float = 0.999,
                       guard: float = GUARD) -> PermutationFloor:
-    """Null I(T;Y_i) from moments accumulated with a shuffled target (SPEC B3 control).
+    """Null I(T;Y_i) from moments accumulated with a shuffled target (METHODS §B3 control).
 
     Args:
         cov_yy: ``(C, C)`` covariance of y; cov_yt_null ``(C,)`` and var_t_null: the

@@ -219,7 +219,7 @@ def _render_evaluation(ev: dict) -> str:
                      "gap pp": sel.get("gap_window_pp"), "gap all pp": sel.get("gap_overall_pp"),
                      "sign": "WRONG" if r["wrong_sign"] else ""})
     o, last, rnd = ev["oracle_window"], ev["last"], ev["random"]
-    lines = ["== Selection vs labels (SPEC A3) ==", render_table(rows).rstrip(),
+    lines = ["== Selection vs labels (docs/METHODS.md §A3) ==", render_table(rows).rstrip(),
              f"oracle in window: #{o['index']} {_pct(o['accuracy']):.2f} %; best overall: "
              f"#{ev['oracle_overall']['index']} {_pct(ev['oracle_overall']['accuracy']):.2f} %",
              f"baselines: last checkpoint gap {last['gap_window_pp']:.2f} pp; random checkpoint "

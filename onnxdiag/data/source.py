@@ -266,7 +266,7 @@ def open_data(
             the model unscaled).  Each integer input cast into a float one gives a
             :class:`DataWarning` naming its value range (also in ``describe()["notes"]``).
 
-    Raises DataError for every problem listed in SPEC B1's data contract, before
+    Raises DataError for every problem listed in METHODS §B1's data contract, before
     returning when the data are in memory.  Never modifies ``source``.  Labels are
     checked against the model's classes by :func:`check_label_range`.
     """

@@ -3,9 +3,9 @@
 All results are frozen dataclasses of builtins / NumPy arrays keyed by ONNX names
 (node, tensor, initializer) with ``to_dict()``; no function modifies its model.
 
-- :func:`find_head` — SPEC A1 head discovery (Gemm / MatMul(+Add) / 1×1 Conv ± pooling).
+- :func:`find_head` — METHODS §A1 head discovery (Gemm / MatMul(+Add) / 1×1 Conv ± pooling).
 - :func:`find_layers` — Conv / ConvTranspose / Gemm / MatMul with geometry, FLOPs, BN pairing.
-- :func:`find_channel_groups` — coupled output channels for structured pruning (SPEC B6).
+- :func:`find_channel_groups` — coupled output channels for structured pruning (METHODS §B6).
 - :func:`analyze_structure` — all of it in one :class:`Structure`.
 - :class:`GraphIndex` — producers / consumers / topological order / constant folding.
 """

@@ -1,4 +1,4 @@
-"""Coupled output channels (SPEC B6; Torch-Pruning's DepGraph idea on ONNX).
+"""Coupled output channels (METHODS §B6; Torch-Pruning's DepGraph idea on ONNX).
 
 Each layer's output channels open a channel space.  Spaces are tied index by index
 (union-find) through element-wise ops between tensors (residual Add, gating Mul),

@@ -1,6 +1,6 @@
 """Weighted layers (Conv / ConvTranspose / Gemm / MatMul) with geometry, FLOPs and BN pairing.
 
-SPEC B1 measures each Conv's pre-BN output; C1 prunes Conv and head weights.  This
+METHODS §B1 measures each Conv's pre-BN output; C1 prunes Conv and head weights.  This
 module says, per layer, where that output is, which BatchNormalization normalises
 it (or that BN was folded), and what activation follows.  Never modifies the model.
 """
@@ -27,7 +27,7 @@ class Layer:
 
     Fields:
         node_name, op_type; input / output: data input and output tensors (``output``
-            is the pre-BN, pre-bias-Add tensor: SPEC B1's y).
+            is the pre-BN, pre-bias-Add tensor: METHODS §B1's y).
         weight: the node's weight input tensor; weight_initializer: the initializer behind
             it (directly or through Identity), None when computed (e.g. a Transpose).
         weight_shape; weight_layout: "oihw" (Conv), "iohw" (ConvTranspose), "oi" (Gemm

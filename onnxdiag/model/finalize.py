@@ -108,7 +108,7 @@ def emit_model(model: onnx.ModelProto, path, *, source_path=None, sidecar: dict,
 
 def store_sparse(model: onnx.ModelProto, names) -> tuple[onnx.ModelProto, list[str]]:
     """A copy of ``model`` with the initializers ``names`` stored as ``sparse_initializer``
-    where that is smaller (SPEC C5): values (nnz) + int64 linear indices (nnz) against the
+    where that is smaller (METHODS §C5): values (nnz) + int64 linear indices (nnz) against the
     dense bytes.  Initializers that are also graph inputs stay dense.  Returns the copy and
     the names converted.
 

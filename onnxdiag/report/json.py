@@ -46,7 +46,7 @@ def to_json(report: dict) -> str:
 
 def build_metadata(*, command: str, parameters: dict, model_path=None, model_hash=None,
                    runner=None, data=None) -> dict:
-    """Everything needed to reproduce and compare a run (SPEC preamble: echo defaults)."""
+    """Everything needed to reproduce and compare a run (every default echoed, docs/METHODS.md)."""
     import onnx
 
     from .. import __version__

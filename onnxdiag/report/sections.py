@@ -72,7 +72,7 @@ def _first(items, k: int) -> str:
 def render_readouts(r: dict) -> str:
     """One model's readouts (ProbeResult dict)."""
     ro = r["readouts"]
-    lines = ["== Readouts (SPEC A) ==",
+    lines = ["== Readouts (docs/METHODS.md §A) ==",
              f"probe: {ro['n_samples']} samples, targets={ro['targets']}, norm={ro['norm']}, "
              f"head check rel. error {r['head_rel_error']:.2e}"]
     from ..selection.readouts import READOUTS

@@ -1,7 +1,7 @@
 """ONNX Runtime sessions: provider choice, batched runs, streaming over data.
 
 onnxruntime is imported lazily so that ``import onnxdiag`` and ``onnxdiag --help``
-stay fast and work without it (ARCHITECTURE §2).
+stay fast and work without it (docs/ARCHITECTURE.md, Rules).
 """
 
 from __future__ import annotations

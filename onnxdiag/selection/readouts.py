@@ -1,11 +1,11 @@
-"""Part A of SPEC.md: validation-free readouts from (Z, U, W, b, targets).  Pure NumPy.
+"""METHODS Part A: validation-free readouts from (Z, U, W, b, targets).  Pure NumPy.
 
 Shapes: features Z (n_samples, n_features), logits U (n_samples, n_classes), head weight
 W (n_classes, n_features), bias b (n_classes,).  Inputs are promoted to float64; trailing
 singleton dims (a 1x1 Conv head's (n, D, 1, 1)) are flattened.  Streamed: one pass,
 memory O(n_classes * n_features), never O(n_samples).
 
-Our conventions where SPEC A1 leaves them open:
+Our conventions where METHODS §A1 leaves them open:
 - ``include_bias``: the norm of the whole head gradient sqrt(|G_W|^2 + |G_b|^2) (Z augmented
   with a column of ones); normalisers stay RMS |z_i| (``feature``) and |W|_F (``head``).
 - ``expected`` targets: raw = sqrt(mean_i |z_i|^2 (1 - |P_i|^2)), the RMS per-sample gradient
@@ -32,7 +32,7 @@ _NAME_HEAD = "Name the head with --head NODE or the features with --features TEN
 
 @dataclass(frozen=True)
 class ReadoutSpec:
-    """One row of the SPEC A2 table: direction is "lower", "higher" or "context"."""
+    """One row of the METHODS §A2 table: direction is "lower", "higher" or "context"."""
 
     name: str
     direction: str
@@ -196,7 +196,7 @@ def _spread_factor(logp: np.ndarray) -> np.ndarray:
 
 
 def head_gradient_matrices(Z, U, targets: str, *, labels=None) -> tuple[np.ndarray, np.ndarray]:
-    """Closed-form G_W = (1/B) E^T Z (n_classes, n_features) and G_b = mean_i E_i (SPEC A1).
+    """Closed-form G_W = (1/B) E^T Z (n_classes, n_features) and G_b = mean_i E_i (METHODS §A1).
 
     E = softmax(U) - Y with Y from ``labels`` or ``pseudo`` targets; features detached.
     """
@@ -219,7 +219,7 @@ def _normalised(raw: float, feature_rms: float, weight_norm: float) -> dict[str,
 
 def head_gradient(Z, U, W, targets: str, *, labels=None, include_bias: bool = False,
                   gram: bool | None = None) -> dict[str, float]:
-    """Head-gradient norms of SPEC A1 on one batch, without autograd.
+    """Head-gradient norms of METHODS §A1 on one batch, without autograd.
 
     Args: Z (n_samples, n_features), U (n_samples, n_classes), W (n_classes, n_features),
     ``targets`` in labels | pseudo | expected, ``labels`` (n_samples,) ints.
@@ -249,7 +249,7 @@ def head_gradient(Z, U, W, targets: str, *, labels=None, include_bias: bool = Fa
 
 def verify_head(Z, U, W, b=None, *, rtol: float = VERIFY_RTOL, node_name: str | None = None
                 ) -> float:
-    """Relative error |Z W^T + b - U|_F / (|U|_F + eps) of the recomputed logits (SPEC A1).
+    """Relative error |Z W^T + b - U|_F / (|U|_F + eps) of the recomputed logits (METHODS §A1).
 
     Returns the error; raises HeadNotFoundError naming ``node_name`` when it exceeds
     ``rtol`` or the shapes do not fit.
@@ -287,7 +287,7 @@ def _per_sample(Z: np.ndarray, U: np.ndarray, y: np.ndarray | None) -> dict[str,
 
 
 class ReadoutAccumulator:
-    """Streams ORT batches into every A2 readout; exact for any batch split (ARCH §3.5).
+    """Streams ORT batches into every A2 readout; exact for any batch split (ARCHITECTURE invariant 5).
 
     Accumulates E^T Z (n_classes, n_features), sum_i E_i, sums of per-sample
     quantities, sum_i z_i, sum_i |z_i|^2, prediction/label counts and n: memory

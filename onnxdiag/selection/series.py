@@ -1,4 +1,4 @@
-"""Part A3 of SPEC.md: checkpoint selection, early stopping, correlations, gaps.  Pure NumPy.
+"""METHODS §A3: checkpoint selection, early stopping, correlations, gaps.  Pure NumPy.
 
 Series are in training order, one value per checkpoint (index 0 = first).  Our conventions:
 - tail window: the last K checkpoints (K = 5, ``"all"`` for every one); flagged (degenerate)
@@ -101,7 +101,7 @@ def _best(scores: np.ndarray, candidates: np.ndarray) -> int | None:
 
 def select_checkpoint(values: Sequence[float], direction: str, *,
                       window: int | str = DEFAULT_WINDOW, flagged=None) -> int:
-    """k* = argmin ("lower") / argmax ("higher") over the tail window (SPEC A3).
+    """k* = argmin ("lower") / argmax ("higher") over the tail window (METHODS §A3).
 
     ``flagged``: indices or a boolean mask of checkpoints never selected (degenerate).
     Ties go to the later checkpoint.  Raises OnnxDiagError when the window holds no
@@ -119,7 +119,7 @@ def select_checkpoint(values: Sequence[float], direction: str, *,
 
 @dataclass(frozen=True)
 class EarlyStop:
-    """Early stopping on a readout (SPEC A3): where training would stop, what to keep.
+    """Early stopping on a readout (METHODS §A3): where training would stop, what to keep.
 
     ``stopped_at`` is None when patience never ran out; ``best`` is None when no
     checkpoint was eligible.
@@ -214,7 +214,7 @@ class ReadoutSelection:
 
 @dataclass(frozen=True)
 class SelectionReport:
-    """SPEC A3 evaluation against labelled data, with oracle and baselines."""
+    """METHODS §A3 evaluation against labelled data, with oracle and baselines."""
 
     n_checkpoints: int
     window: int | str
@@ -283,7 +283,7 @@ def evaluate_selection(readout_series: Mapping[str, Sequence[float]], accuracy: 
                        window: int | str = DEFAULT_WINDOW, patience: int = DEFAULT_PATIENCE,
                        flagged=None, directions: Mapping[str, str] | None = None
                        ) -> SelectionReport:
-    """Score every readout's checkpoint choice against labelled accuracy (SPEC A3).
+    """Score every readout's checkpoint choice against labelled accuracy (METHODS §A3).
 
     ``readout_series``: name -> one value per checkpoint; directions come from READOUTS,
     ``directions`` overrides or adds names.  ``accuracy`` fractions, ``loss`` optional.

@@ -1,4 +1,4 @@
-"""Unstructured pruning, allocation, repair and repairability (SPEC Part C).
+"""Unstructured pruning, allocation, repair and repairability (METHODS §C).
 
 - :mod:`.masks` (C1): :func:`magnitude_mask`, :func:`find_prunable`, :func:`apply_masks`.
 - :mod:`.allocation` (C3): :func:`allocate_sparsity` → :class:`Allocation` (global,

@@ -1,10 +1,10 @@
-"""Per-layer sparsities under a global budget S (SPEC C3).
+"""Per-layer sparsities under a global budget S (METHODS §C3).
 
 Every rule returns an :class:`Allocation` that prunes exactly ``⌊S·N⌋`` of the N
 prunable weights (layers in ``keep_dense`` count in N but stay dense).  Rules that
 solve a real-valued density (uniform, erk, rr) solve it for the real budget S·N,
 then round the per-layer counts by largest remainder onto the integer budget
-(**our default**; it reproduces the SPEC C3 ERK table to 4 decimals).  Magnitude
+(**our default**; it reproduces the METHODS §C3 ERK table to 4 decimals).  Magnitude
 rules (global, lamp) count the weights below one global threshold; within a layer
 that set equals :func:`magnitude_mask`, so ``make_masks`` rebuilds it exactly.
 """
@@ -35,7 +35,7 @@ class Allocation:
         layers: layer names in the given order; n_params / n_kept: weights per layer,
             total and kept; sparsity: achieved fraction pruned per layer (1 − kept/n).
         params: the rule's settings and solved constants (ε, c, m_ℓ, densities …).
-        prior: for ``rr``, the prior allocation it modulates (SPEC C3: report both).
+        prior: for ``rr``, the prior allocation it modulates (METHODS §C3: report both).
     """
 
     rule: str
@@ -62,7 +62,7 @@ def allocate_sparsity(rule: str, layers_info: Sequence[LayerInfo], S: float, *, 
                       keep_dense: Iterable[str] = (), prior: str = "erk", gamma: float = 1.0,
                       cap: float = 0.99, force_projection: bool = False,
                       step: float = 0.01) -> Allocation:
-    """Allocate a global budget ``S`` over ``layers_info`` with ``rule`` (SPEC C3).
+    """Allocate a global budget ``S`` over ``layers_info`` with ``rule`` (METHODS §C3).
 
     Args:
         rule: ``global`` / ``lamp`` (need ``weights``: ``{name: array}``), ``uniform``,
@@ -154,7 +154,7 @@ def allocate_uniform(infos: Sequence[LayerInfo], S: float, keep=()) -> Allocatio
 def allocate_erk(infos: Sequence[LayerInfo], S: float, keep=(), *,
                  force_projection: bool = False) -> Allocation:
     """Capped ERK: d_ℓ = ε·Σshape/Πshape, ε solved for the real budget; layers with d_ℓ > 1
-    are set dense and ε re-solved until none exceeds 1 (SPEC C3).  ``force_projection``
+    are set dense and ε re-solved until none exceeds 1 (METHODS §C3).  ``force_projection``
     fixes 1×1 shortcut convs at s = S before solving."""
     sizes, dense, target = _budget(infos, S, keep)
     raw = np.array([i.erk_raw for i in infos])
@@ -235,7 +235,7 @@ def allocate_global(infos: Sequence[LayerInfo], S: float, weights, keep=()) -> A
 
 
 def lamp_scores(weight: np.ndarray) -> np.ndarray:
-    """LAMP scores in ascending-|w| order: score_u = w_u² / Σ_{v≥u} w_v² (SPEC C3).
+    """LAMP scores in ascending-|w| order: score_u = w_u² / Σ_{v≥u} w_v² (METHODS §C3).
 
     The layer's largest weight gets +inf so that it always survives; 0/0 gives 0.
     Order: prune-first (|w| ascending, ties higher flat index first).
@@ -265,7 +265,7 @@ def allocate_lamp(infos: Sequence[LayerInfo], S: float, weights, keep=()) -> All
 def allocate_rr(infos: Sequence[LayerInfo], S: float, rr_curves, prior: Allocation, *,
                 gamma: float = 1.0, cap: float = 0.99) -> Allocation:
     """``rr`` (**our default**): s_ℓ = min(cap, c·m_ℓ·p_ℓ), m_ℓ = (mean_k RR_k(p_k) /
-    RR_ℓ(p_ℓ))^γ, c solved so that the real budget S·N holds (SPEC C3).  Layers the prior
+    RR_ℓ(p_ℓ))^γ, c solved so that the real budget S·N holds (METHODS §C3).  Layers the prior
     keeps dense stay dense; the mean runs over the layers the prior prunes (a constant
     factor, absorbed by c)."""
     sizes, _, target = _budget(infos, S, ())
@@ -310,12 +310,12 @@ def _solve_scale(base: np.ndarray, sizes: np.ndarray, goal: float, cap: float) -
 def allocate_rr_greedy(infos: Sequence[LayerInfo], S: float, rr_curves, keep=(), *,
                        cap: float = 0.99, step: float = 0.01,
                        marginal: bool = False) -> Allocation:
-    """``rr-greedy`` / ``rr-marginal``: the literal greedy of SPEC C3 (kept for reproduction).
+    """``rr-greedy`` / ``rr-marginal``: the literal greedy of METHODS §C3 (kept for reproduction).
 
     All layers start at 0; repeatedly the layer whose RR at its next step (``marginal``:
     increase of D_repair per removed weight) is lowest (ties: the larger layer, then the
     earlier) moves up by ``step`` sparsity, capped at ``cap``; the last move is partial so
-    the budget holds exactly.  SPEC C3 measured both collapsing at high S.
+    the budget holds exactly.  METHODS §C3 measured both collapsing at high S.
     """
     sizes, dense, target = _budget(infos, S, keep)
     top = int(round(cap / step))

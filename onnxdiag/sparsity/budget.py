@@ -1,4 +1,4 @@
-"""Exact weight budgets (SPEC C1, C3): prune counts, layer descriptions, integer rounding.
+"""Exact weight budgets (METHODS §C1, C3): prune counts, layer descriptions, integer rounding.
 
 A sparsity ``s`` is read as the decimal it prints as (``0.95`` is 19/20), so
 ``prune_count(n, s) = ⌊s·n⌋`` is exact: no float rounding decides whether a weight
@@ -41,7 +41,7 @@ class LayerInfo:
         name: the layer's node name.
         shape: the weight shape in ERK order, ``(n_out, n_in / groups, *kernel)`` for a
             conv, ``(n_out, n_in)`` for a linear layer (whatever the stored layout).
-        is_projection: a 1×1 shortcut conv (``force_projection``, SPEC C3).
+        is_projection: a 1×1 shortcut conv (``force_projection``, METHODS §C3).
         is_head: the classifier head.
     """
 

@@ -1,4 +1,4 @@
-"""Unstructured magnitude masks and their application to a model copy (SPEC C1).
+"""Unstructured magnitude masks and their application to a model copy (METHODS §C1).
 
 A mask is a boolean array of the weight's stored shape, True = kept.  Within a
 layer the largest |w| are kept; ties are broken by flat index, the lower index
@@ -33,7 +33,7 @@ def magnitude_order(weight: np.ndarray) -> np.ndarray:
 
 def magnitude_mask(weight: np.ndarray, sparsity: float | None = None, *,
                    n_keep: int | None = None) -> np.ndarray:
-    """Keep the largest |w| of ``weight`` (SPEC C1): a bool mask of its shape, True = kept.
+    """Keep the largest |w| of ``weight`` (METHODS §C1): a bool mask of its shape, True = kept.
 
     Give ``sparsity`` (prunes exactly ``prune_count(size, sparsity)`` = ⌊s·size⌋
     weights) or ``n_keep`` (keeps exactly that many).  Ties in |w| keep the lower flat
@@ -52,9 +52,9 @@ def magnitude_mask(weight: np.ndarray, sparsity: float | None = None, *,
 
 
 def find_prunable(structure, keep_dense: Iterable[str] = ()) -> list:
-    """The prunable layers (SPEC C1): every Conv and the head Gemm / MatMul, in topological order.
+    """The prunable layers (METHODS §C1): every Conv and the head Gemm / MatMul, in topological order.
 
-    All of them count in the budget's N (SPEC C3: a fraction of all prunable weights);
+    All of them count in the budget's N (METHODS §C3: a fraction of all prunable weights);
     ``keep_dense`` is only validated here and handed to :func:`allocate_sparsity`,
     which leaves those layers dense.  Layers the graph analysis marks unprunable
     (computed weights, ConvTranspose) are skipped.

@@ -1,4 +1,4 @@
-"""Evaluate one Conv / Gemm / MatMul offline in NumPy (SPEC C2: never a network pass per s).
+"""Evaluate one Conv / Gemm / MatMul offline in NumPy (METHODS §C2: never a network pass per s).
 
 The layer's input is turned into columns once (im2col for a conv, honouring
 stride, pads / auto_pad, dilation and groups); any weight — dense, masked, or the

@@ -1,4 +1,4 @@
-"""Label-free repair of a pruned model: CR, BN recalibration, folded-BN affine (SPEC C1).
+"""Label-free repair of a pruned model: CR, BN recalibration, folded-BN affine (METHODS §C1).
 
 Methods (``METHODS``): ``none``; ``bn`` (BN recalibration); ``cr`` / ``layer-cr`` /
 ``shrunk-cr`` (channel-wise, one-scalar-per-layer and shrunk variance matching) and
@@ -17,7 +17,7 @@ positions, unbiased):
 
 Only what pruning changed is touched (**our default**, ``recalibrate="affected"``): convs
 and BNs downstream of a pruned weight; ``recalibrate="all"`` recalibrates every BN.
-The head is pruned but never rescaled (SPEC C1 repairs Conv outputs).
+The head is pruned but never rescaled (METHODS §C1 repairs Conv outputs).
 
 Cost: one dense pass (dense σ, μ of the repaired convs) plus one sequential pass run in
 segments (:class:`~onnxdiag.sparsity.segments.SegmentedPass`): every node once per
@@ -90,7 +90,7 @@ class BNRepair:
 
 @dataclass(frozen=True, eq=False)
 class RepairRecord:
-    """The result of :func:`repair_model` (for the sidecar JSON, SPEC C5).
+    """The result of :func:`repair_model` (for the sidecar JSON, METHODS §C5).
 
     ``passes``: {"dense": full dense passes, "sequential": 1 when anything was repaired,
     "segments": ONNX Runtime sessions of the sequential pass}.
@@ -126,7 +126,7 @@ def parse_method(method: str) -> tuple[str | None, bool]:
 
 def cr_alpha(kind: str, var_dense: np.ndarray, var_pruned: np.ndarray,
              cap: float = 100.0) -> np.ndarray:
-    """α (C,) of a CR variant (SPEC C1) from per-channel dense / pruned variances."""
+    """α (C,) of a CR variant (METHODS §C1) from per-channel dense / pruned variances."""
     vd, vp = np.maximum(var_dense, 0.0), np.maximum(var_pruned, 0.0)
     if kind == "layer":
         a = np.full(vd.shape, np.sqrt(vd.mean()) / (np.sqrt(vp.mean()) + CR_EPS))
@@ -147,7 +147,7 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
                  method: str = "cr+bn", alpha_cap: float = 100.0, n_images: int | None = None,
                  recalibrate: str = "affected", providers=None, threads: int | None = None
                  ) -> tuple[onnx.ModelProto, RepairRecord]:
-    """Prune ``model`` with ``masks`` and repair it on calibration data (SPEC C1).
+    """Prune ``model`` with ``masks`` and repair it on calibration data (METHODS §C1).
 
     Args:
         structure: :func:`~onnxdiag.graph.analyze_structure` of ``model``.
@@ -216,7 +216,7 @@ def recalibrate_batchnorm(model: onnx.ModelProto, calib_source, *, dense_model=N
     Every BatchNormalization's running mean / variance is set to the batch statistics of
     its input (unbiased variance) on ``calib_source``. With ``dense_model`` (the model
     before pruning, same node names), every non-head Conv *without* a BN (folded by the
-    exporter, or absent) gets the equivalent re-standardisation instead, as SPEC C1's
+    exporter, or absent) gets the equivalent re-standardisation instead, as METHODS §C1's
     ``bn`` repair: y' = (y − μ^p)·σ^d/σ^p + μ^d per output channel (σ ratio capped at
     ``alpha_cap``), folded into its weights and bias, where μ^d, σ^d are the dense
     model's statistics of the same channel: ``kept_channels`` maps a conv to the dense

@@ -1,4 +1,4 @@
-"""Relative repairability RR(ℓ, s) of every prunable layer (SPEC C2).
+"""Relative repairability RR(ℓ, s) of every prunable layer (METHODS §C2).
 
 One ONNX Runtime pass captures each prunable layer's dense *input* on a fixed
 number of calibration images; then, per layer and per sparsity s of the grid, the
@@ -52,7 +52,7 @@ from .rr_layer import (  # noqa: F401 - PairMoments, distortions, … re-exporte
     plan_layer,
 )
 
-#: SPEC C2 default grid: {0, 0.05, …, 0.9} ∪ {0.91, …, 0.99} (28 points).
+#: METHODS §C2 default grid: {0, 0.05, …, 0.9} ∪ {0.91, …, 0.99} (28 points).
 DEFAULT_GRID = tuple(round(0.05 * i, 2) for i in range(19)) + tuple(
     round(0.91 + 0.01 * i, 2) for i in range(9))
 #: Output positions per image sampled for a conv's moments (**our default**; None = all).
@@ -65,7 +65,7 @@ class RRCurves:
 
     Fields: ``layers`` (L,) names; ``grid`` (n_s,); ``d_raw`` / ``d_repair`` / ``rr`` (L, n_s);
     ``n_weights`` (L,); ``n_images`` calibration images; ``n_samples`` (L,) rows (images ×
-    positions) per layer; ``eps`` (SPEC C2's ε); ``positions`` output positions sampled per
+    positions) per layer; ``eps`` (METHODS §C2's ε); ``positions`` output positions sampled per
     image (None: every position) and ``seed`` of that draw.  Between grid points values are
     linearly interpolated, outside the grid clamped to the end values.
     """
@@ -112,7 +112,7 @@ def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int
                       eps: float = 1e-12, providers=None, threads: int | None = None,
                       strategy: str = "auto", positions: int | str | None = DEFAULT_POSITIONS,
                       seed: int = 0, executor=None) -> RRCurves:
-    """RR curves of ``layers`` (prunable :class:`~onnxdiag.graph.Layer` records) (SPEC C2).
+    """RR curves of ``layers`` (prunable :class:`~onnxdiag.graph.Layer` records) (METHODS §C2).
 
     Args:
         model: the dense model (never modified); source: a DataSource (``batches()``) or

@@ -196,7 +196,7 @@ def _fold_gram(plan: dict, cols: np.ndarray, own: bool = False) -> None:
 
 
 def _finish_gram(plan: dict) -> None:
-    """Fill each level's PairMoments from the column covariance Σ and mean μ (SPEC C2 moments
+    """Fill each level's PairMoments from the column covariance Σ and mean μ (METHODS §C2 moments
     of a = y^d = Wx and b = y^d − y^p = W_r x are quadratic forms: Var a = wᵀΣw, …): per
     level one batched (C, K) × (K, K) product per group, O(C·K²), no pass over samples."""
     n = plan["count"]

@@ -1,6 +1,6 @@
 """Run a model segment by segment over a fixed calibration set (the sequential repair pass).
 
-SPEC C1 measures each layer with every upstream layer already pruned *and repaired*.
+METHODS §C1 measures each layer with every upstream layer already pruned *and repaired*.
 Instead of one full forward pass per layer, the graph's topological node list is
 cut right after each measured tensor: segment k runs only the nodes between two
 measurements, reading its inputs from a *frontier* of cached tensors (all

@@ -1,4 +1,4 @@
-"""Prune and repair a dense model over a grid of global sparsities (SPEC C3–C4).
+"""Prune and repair a dense model over a grid of global sparsities (METHODS §C3–C4).
 
 :class:`Pruner` prepares the dense model once (prunable layers, weights, the
 calibration set in memory, the dense predictions on it); each cell of a sweep is
@@ -26,7 +26,7 @@ from .transition import cts, cts_band, transition_band
 
 #: Most grid points a sparsity specification may expand to (guards against typos).
 MAX_GRID_POINTS = 1000
-#: SPEC C4 label-free band: the repair whose agreement defines it, and the one CTS compares.
+#: METHODS §C4 label-free band: the repair whose agreement defines it, and the one CTS compares.
 BAND_REPAIR, CTS_BASELINE = "cr+bn", "bn"
 
 
@@ -140,7 +140,7 @@ class Pruner:
             the agreement with the dense model.
         keep_dense: layer names left dense; rr_curves: needed by the ``rr*`` rules.
         options: allocation settings (prior, gamma, cap, force_projection, step).
-        alpha_cap, recalibrate: repair settings (SPEC C1).
+        alpha_cap, recalibrate: repair settings (METHODS §C1).
     """
 
     model: object
@@ -190,7 +190,7 @@ class Pruner:
         return run_logits(runner, self.head, self.calib)
 
     def agreement(self, model, runner=None) -> float:
-        """Agr: fraction of calibration images with the dense model's top-1 (SPEC C4)."""
+        """Agr: fraction of calibration images with the dense model's top-1 (METHODS §C4)."""
         return float(np.mean(self.logits(model, runner).argmax(axis=1) == self.dense_pred))
 
     def measure(self, model, eval_source=None) -> tuple[float, dict | None]:
@@ -342,7 +342,7 @@ def curve(cells: Sequence[SweepCell], rule: str, method: str, metric: str = "agr
 
 def transition_summary(cells: Sequence[SweepCell], rule: str, methods: Sequence[str], *,
                        hi: float = 0.9, lo: float = 0.5) -> dict:
-    """Label-free transition of one allocation (SPEC C4): the agreement band of the
+    """Label-free transition of one allocation (METHODS §C4): the agreement band of the
     ``cr+bn`` curve (else of the first repair, named in ``repair``), and CTS with its
     half-max band when both ``cr+bn`` and ``bn`` were run."""
     band_method = BAND_REPAIR if BAND_REPAIR in methods else methods[0]

@@ -1,10 +1,10 @@
-"""Label-free transition detection from agreement curves (SPEC C4).
+"""Label-free transition detection from agreement curves (METHODS §C4).
 
 Agr_X(S): the fraction of calibration images whose prediction after pruning to S and
 repair X equals the dense model's.  ``agreement`` (**our default**): the transition is
 where Agr_CR+BN falls from ``hi`` = 0.9 to ``lo`` = 0.5, interpolated linearly on the
 grid.  ``cts``: CTS(S) = (Agr_CR+BN − Agr_BN) / (1 − Agr_BN + 1e-8), band {S : CTS ≥ ½ max}
-— SPEC C4 measured it as noise when every conv feeds a BN; report it, do not rely on it.
+— METHODS §C4 measured it as noise when every conv feeds a BN; report it, do not rely on it.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def crossing(S_grid: Sequence[float], values: Sequence[float], level: float) -> 
 
 def transition_band(S_grid: Sequence[float], agreement_crb: Sequence[float], hi: float = 0.9,
                     lo: float = 0.5) -> TransitionBand:
-    """SPEC C4 ``agreement``: the S range over which Agr_CR+BN falls from ``hi`` to ``lo``."""
+    """METHODS §C4 ``agreement``: the S range over which Agr_CR+BN falls from ``hi`` to ``lo``."""
     if not lo < hi:
         raise OnnxDiagError(f"Band levels need lo < hi, got lo={lo}, hi={hi}.")
     S, v = _check_grid(S_grid, agreement_crb)
@@ -88,7 +88,7 @@ def transition_band(S_grid: Sequence[float], agreement_crb: Sequence[float], hi:
 
 
 def cts(agr_crbn: Sequence[float], agr_bn: Sequence[float]) -> np.ndarray:
-    """CTS(S) = (Agr_CR+BN − Agr_BN) / (1 − Agr_BN + 1e-8), elementwise (SPEC C4)."""
+    """CTS(S) = (Agr_CR+BN − Agr_BN) / (1 − Agr_BN + 1e-8), elementwise (METHODS §C4)."""
     a, b = np.asarray(agr_crbn, dtype=np.float64), np.asarray(agr_bn, dtype=np.float64)
     if a.shape != b.shape:
         raise OnnxDiagError(f"Agreement curves differ in length ({a.size} vs {b.size}).")

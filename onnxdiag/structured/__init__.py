@@ -1,4 +1,4 @@
-"""Structured pruning: physical channel removal over dependency groups (SPEC B6).
+"""Structured pruning: physical channel removal over dependency groups (METHODS §B6).
 
 - :func:`prune_channels` — remove a plan's channels from a copy of the model.
 - :func:`plan_pruning` — scores + budget (uniform / reference / global) → :class:`Plan`.

@@ -1,4 +1,4 @@
-"""Site edits of constant node inputs (SPEC B6 physical channel removal), written through
+"""Site edits of constant node inputs (METHODS §B6 physical channel removal), written through
 :class:`~onnxdiag.model.edit.ModelEditor`.
 
 An edit is asked for a *use site*: input ``input_index`` of node ``node_name``.  The

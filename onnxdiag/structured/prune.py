@@ -1,4 +1,4 @@
-"""Physical channel removal over dependency groups (SPEC B6).
+"""Physical channel removal over dependency groups (METHODS §B6).
 
 For each channel group (see :func:`onnxdiag.graph.find_channel_groups`) the removed
 channels disappear from every tensor that indexes them: the members' weight output
@@ -81,7 +81,7 @@ class PruneRecord:
 
 def prune_channels(model: onnx.ModelProto, structure: Structure,
                    plan) -> tuple[onnx.ModelProto, PruneRecord]:
-    """Remove channels physically (SPEC B6); returns ``(pruned model, record)``.
+    """Remove channels physically (METHODS §B6); returns ``(pruned model, record)``.
 
     Args:
         model: the model ``structure`` was computed from (:func:`analyze_structure`).
