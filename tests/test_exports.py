@@ -67,3 +67,18 @@ def test_qdq_int8_head_weight_comes_through_dequantize_linear(folder):
     step = np.abs(float_head.weight).max() / 127  # one int8 step of the symmetric weights
     assert np.abs(head.weight - float_head.weight).max() <= step
     assert np.abs(head.weight - float_head.weight).max() > 0  # really quantized
+
+
+def test_readouts_through_the_cli_on_a_zipmap_export(folder, tmp_path):
+    """skl2onnx's default export ends in a ZipMap (a sequence of maps): exposing the head's
+    tensors keeps that output's type, so the readouts session loads and runs."""
+    from cli_helpers import run
+
+    export = exports.sklearn_mlp(folder)
+    assert "ZipMap" in {n.op_type for n in load_model(export.path).graph.node}
+    data = tmp_path / "digits.npz"
+    np.savez(data, **export.feeds, labels=np.zeros(len(next(iter(export.feeds.values()))),
+                                                    dtype=np.int64))
+    result = run("readouts", export.path, "--data", data, "--out", tmp_path / "r")
+    assert result.exit_code == 0, result.output
+    assert "head_grad" in result.output and "[W]" not in result.output

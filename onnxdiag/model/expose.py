@@ -12,8 +12,13 @@ from collections.abc import Sequence
 
 import onnx
 import onnx_graphsurgeon as gs
+from onnx_graphsurgeon.logger import G_LOGGER
 
 from ..errors import OnnxDiagError
+
+# graphsurgeon's own warnings (e.g. an output type it cannot map to NumPy, which
+# _restore_output_types repairs) are not the user's business: errors only.
+G_LOGGER.severity = G_LOGGER.ERROR
 
 
 def expose_tensors(model: onnx.ModelProto, tensor_names: Sequence[str]) -> onnx.ModelProto:
@@ -54,8 +59,18 @@ def expose_tensors(model: onnx.ModelProto, tensor_names: Sequence[str]) -> onnx.
     exported.opset_import.extend(model.opset_import)
     exported.producer_name = model.producer_name
     exported.producer_version = model.producer_version
+    _restore_output_types(exported, model)
     _fill_missing_output_types(exported)
     return exported
+
+
+def _restore_output_types(exported: onnx.ModelProto, model: onnx.ModelProto) -> None:
+    """The original outputs keep their declared types (graphsurgeon turns a type it cannot
+    map to NumPy, such as a ZipMap's sequence of maps, into an undefined tensor)."""
+    original = {o.name: o for o in model.graph.output}
+    for out in exported.graph.output:
+        if out.name in original:
+            out.CopyFrom(original[out.name])
 
 
 def expose_channels_last(model: onnx.ModelProto, tensors: dict[str, int], *,
@@ -90,7 +105,9 @@ def expose_channels_last(model: onnx.ModelProto, tensors: dict[str, int], *,
 
 
 def _fill_missing_output_types(model: onnx.ModelProto) -> None:
-    """Outputs exposed without inferred types get float32 (ORT needs an element type)."""
+    """Tensor outputs exposed without an inferred element type get float32 (ORT needs one);
+    outputs of another kind (a ZipMap's sequence of maps) keep their type."""
     for out in model.graph.output:
-        if not out.type.tensor_type.elem_type:
+        kind = out.type.WhichOneof("value")
+        if kind in (None, "tensor_type") and not out.type.tensor_type.elem_type:
             out.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
