@@ -103,22 +103,34 @@ def test_keyboard_interrupt_exits_130_and_leaves_no_report(monkeypatch, tmp_path
 
 
 def test_sigint_exits_130_and_releases_the_claimed_folder(tmp_path):
-    """A real Ctrl-C (SIGINT) while analyze works: exit 130, one line, nothing left."""
-    out = tmp_path / "rep"
-    proc = subprocess.Popen([sys.executable, "-m", "onnxdiag", "analyze", "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=SAMPLE.folder.parent.parent)
+    """A real Ctrl-C (SIGINT) while a verb works: exit 130, one line, nothing left. The data
+    come from a loader script that yields one batch, says so, then waits, so the signal
+    always lands in the middle of the work."""
+    out, marker = tmp_path / "rep", tmp_path / "reading"
+    script = tmp_path / "slow.py"
+    script.write_text(
+        "import time\nimport numpy as np\nfrom pathlib import Path\n\n"
+        "def load_data():\n"
+        f"    z = np.load({str(SAMPLE.calibration)!r})\n"
+        "    yield {'input': z['input'][:32], 'labels': z['labels'][:32]}\n"
+        f"    Path({str(marker)!r}).touch()\n"
+        "    time.sleep(60)\n"
+        "    yield {'input': z['input'][32:64], 'labels': z['labels'][32:64]}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "onnxdiag", "readouts", str(SAMPLE.model),
+                             "--data", f"{script}:load_data", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
-    while not (out / ".onnxdiag-claim").exists():
+    while not marker.exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.02)
-    time.sleep(0.3)  # into the work
+    assert (out / ".onnxdiag-claim").exists()  # the folder was claimed before the work
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr
     assert stderr.strip().splitlines()[-1] == "interrupted"
     assert "Traceback" not in stderr and stdout == ""
-    assert os.listdir(tmp_path) == []
+    marker.unlink()
+    assert sorted(os.listdir(tmp_path)) == ["slow.py"]
 
 
 def test_the_api_refuses_a_readout_verb_without_probe_data():

@@ -29,7 +29,6 @@ Deterministic for a given ``--seed``, torch version and thread count. Data: the 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil

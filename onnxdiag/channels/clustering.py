@@ -1,4 +1,6 @@
-"""Structure of the two channel axes (METHODS §B4) and the test of the claim (METHODS §B5).  NumPy/SciPy.
+"""Structure of the two channel axes (METHODS §B4) and the test of the claim (§B5).
+
+NumPy/SciPy.
 
 k-means (Lloyd with k-means++ seeding) and the Adjusted Rand Index are implemented here so that
 scikit-learn stays a test-only dependency.  Inputs are :class:`onnxdiag.channels.ChannelScores`

@@ -12,7 +12,8 @@ Our conventions where METHODS §B2-B3 leave a detail open (echoed in ``ChannelSc
 - Peers / partners of i: the j != i ordered by unclipped |rho_ij| descending, ties by lower index;
   k = min(k_peers, C-1) peers for R², min(syn_partners, C-1) partners for Syn / Red_T.
 - Pair information is evaluated in correlation form, ½ ln(det R_ij / det R_Tij) with the ridge on
-  the unit diagonal: the covariance form of METHODS §B3 with the scales cancelled, hence exactly invariant
+  the unit diagonal: the covariance form of METHODS §B3 with the scales cancelled, hence
+  exactly invariant
   under per-channel affine maps (so are R̄_X, R², I(T;Y), Syn, Red_T; I_X and J are not).
 - Substitution coefficients (:func:`peer_regression`, B5) solve the same ridge on the UNCLIPPED
   correlations and map back to y units: beta_j = gamma_j s_i / s_j, a = mu_i - sum_j beta_j mu_j,

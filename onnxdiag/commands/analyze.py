@@ -16,6 +16,7 @@ from .base import (
     ReportTarget,
     Runtime,
     describe_sources,
+    find_structure,
     finish,
     render_header,
     resolve_model,
@@ -109,12 +110,12 @@ def run_parameters(options, head: HeadChoice, runtime: Runtime, **roles) -> dict
 
 
 def _single_model_report(command, path, roles, options, head, runtime, report):
-    from ..graph import analyze_structure
     from ..model.io import get_input_specs, load_model, model_hash
 
     with report.claim(command) as claim:
         model = load_model(path)
-        structure = analyze_structure(model, head=head.head, features=head.features)
+        structure = find_structure(model, head, roles["data"] or roles["eval_data"],
+                                   providers=runtime.providers)
         specs = get_input_specs(model)
         classes = structure.head.n_classes if structure.head is not None else None
         probe, evaluation = (None if req is None else req.open(specs, classes=classes)

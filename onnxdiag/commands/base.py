@@ -177,6 +177,27 @@ def render_header(meta: dict) -> str:
     return "\n".join(lines) + "\n\n"
 
 
+def find_structure(model, head: HeadChoice | None = None, data=None, *, providers=None):
+    """The model's :class:`~onnxdiag.graph.Structure`; when its head cannot be found from the
+    graph alone and ``data`` (a request, path or arrays) is given, the head is found by
+    verification on the data's first batch (every linear map with constant weights that
+    reaches an output is tried: docs/METHODS.md §A1)."""
+    from ..errors import HeadNotFoundError
+    from ..graph import analyze_structure
+
+    head = head or HeadChoice()
+    try:
+        return analyze_structure(model, head=head.head, features=head.features)
+    except HeadNotFoundError:
+        if data is None or getattr(data, "source", data) is None:
+            raise
+    from ..model.io import get_input_specs
+
+    batch = next(iter(DataRequest.of(data).open(get_input_specs(model)).batches()))
+    return analyze_structure(model, head=head.head, features=head.features,
+                             feeds=batch.feeds, providers=providers)
+
+
 def describe_sources(**sources) -> dict:
     """{role: DataSource.describe()} of the sources given (None ones left out)."""
     return {role: src.describe() for role, src in sources.items() if src is not None}

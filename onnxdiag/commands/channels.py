@@ -16,6 +16,7 @@ from .base import (
     HeadChoice,
     ReportTarget,
     Runtime,
+    find_structure,
     finish,
     render_header,
 )
@@ -121,11 +122,10 @@ def _model_channels(path, request: DataRequest, options: ChannelsOptions, head: 
                     runtime: Runtime, ex) -> _ModelChannels:
     """One model's statistics pass (here, or sharded on ``ex``) and its scores."""
     from ..channels.collect import collect_channel_moments, collect_channel_moments_sharded
-    from ..graph import analyze_structure
     from ..model.io import get_input_specs, load_model, model_hash
 
     model = load_model(path)
-    structure = analyze_structure(model, head=head.head, features=head.features)
+    structure = find_structure(model, head, request, providers=runtime.providers)
     label = "Channel statistics" if runtime.progress else None
     if ex.in_process:  # one streaming pass here, as without an executor
         source = request.open(get_input_specs(model), classes=structure.head.n_classes)

@@ -18,6 +18,7 @@ from .base import (
     ReportTarget,
     Runtime,
     describe_sources,
+    find_structure,
     finish,
     render_header,
 )
@@ -69,7 +70,6 @@ def lesion_report(model, *, data=None, eval_data, options: LesionOptions,
     information. Writes report.json, report.txt and lesions.csv (one row per lesion).
     """
     from ..channels.interventions import lesion_study
-    from ..graph import analyze_structure
     from ..model.io import get_input_specs, load_model, model_hash
 
     folder = report.folder("lesion")
@@ -78,7 +78,8 @@ def lesion_report(model, *, data=None, eval_data, options: LesionOptions,
         raise OnnxDiagError("--substitute needs calibration data (--data) to fit each channel's "
                             "peer reconstruction; pass --data FILE.")
     m = load_model(model)
-    structure = analyze_structure(m, head=head.head, features=head.features)
+    structure = find_structure(m, head, request or eval_request,
+                               providers=runtime.providers)
     _check_layers(options.layers, structure)
     specs = get_input_specs(m)
     classes = structure.head.n_classes

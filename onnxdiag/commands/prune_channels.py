@@ -19,6 +19,7 @@ from .base import (
     Runtime,
     describe_sources,
     example_input,
+    find_structure,
     finish,
     render_header,
     safe_ratio,
@@ -87,7 +88,6 @@ def prune_channels_report(model, *, output, data=None, eval_data=None, train_dat
     data, eval_data, train_data = map(DataRequest.of, (data, eval_data, train_data))
     protect = _inputs(model, options, (data, eval_data, train_data))
     folder = _check_before_work(output, data, train_data, options, recovery, report, protect)
-    from ..graph import analyze_structure
     from ..model.io import get_input_specs, load_model
 
     m = load_model(model)
@@ -98,7 +98,8 @@ def prune_channels_report(model, *, output, data=None, eval_data=None, train_dat
         the_plan, structure, head = _replay(m, options.plan)
         notes = []
     else:
-        structure = analyze_structure(m, head=head.head, features=head.features)
+        structure = find_structure(m, head, data or eval_data,
+                                   providers=runtime.providers)
     check_labels(structure, calib, evaluation, train)  # before the statistics pass
     if options.plan is None:
         the_plan, notes = _new_plan(m, structure, calib, options, head, runtime)

@@ -26,6 +26,7 @@ from .base import (
     ReportTarget,
     Runtime,
     describe_sources,
+    find_structure,
     finish,
     render_header,
 )
@@ -123,7 +124,6 @@ def prune_sweep_report(model, *, eval_data, data=None, train_data=None,
     ``recovery.finetune`` (on ``train_data``); the dense model under the same recovery is
     the after-curve's top and normaliser.
     """
-    from ..graph import analyze_structure
     from ..model.io import get_input_specs, load_model, model_hash
 
     data, eval_data, train_data = map(DataRequest.of, (data, eval_data, train_data))
@@ -132,7 +132,7 @@ def prune_sweep_report(model, *, eval_data, data=None, train_data=None,
     round_to = resolve_round_to(options.round_to)
     folder = report.folder(COMMAND)
     m = load_model(model)
-    structure = analyze_structure(m, head=head.head, features=head.features)
+    structure = find_structure(m, head, data or eval_data, providers=runtime.providers)
     _check_prunable(structure)
     requests = (data, eval_data, train_data)
     calib, evaluation, train = sources = _open(get_input_specs(m), requests, recovery)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import OnnxDiagError, OutputError
-from .base import CommandResult, DataRequest, HeadChoice, describe_sources, finish
+from .base import CommandResult, DataRequest, HeadChoice, describe_sources, find_structure, finish
 
 #: docs/METHODS.md §C4 scan of the ``rr`` verb: coarse below 0.9, fine above (17 points).
 DEFAULT_BAND = "0.1:0.9:0.1,0.91:0.99:0.01"
@@ -112,7 +112,6 @@ class Inputs:
 def open_inputs(model, data, eval_data=None, *, head: HeadChoice | None = None,
                 keep_dense=()) -> Inputs:
     """Load ``model``, find its structure and open the data roles (requests or paths)."""
-    from ..graph import analyze_structure
     from ..model.io import get_input_specs, load_model
     from ..sparsity import find_prunable
     from ..sparsity.sweep import materialize
@@ -122,7 +121,7 @@ def open_inputs(model, data, eval_data=None, *, head: HeadChoice | None = None,
                             "the agreement with the dense model; pass --data FILE.")
     head = head or HeadChoice()
     m = load_model(model)
-    structure = analyze_structure(m, head=head.head, features=head.features)
+    structure = find_structure(m, head, data)
     specs = get_input_specs(m)
     classes = structure.head.n_classes if structure.head is not None else None
     calib = DataRequest.of(data).open(specs, classes=classes)

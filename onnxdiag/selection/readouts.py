@@ -287,7 +287,8 @@ def _per_sample(Z: np.ndarray, U: np.ndarray, y: np.ndarray | None) -> dict[str,
 
 
 class ReadoutAccumulator:
-    """Streams ORT batches into every A2 readout; exact for any batch split (ARCHITECTURE invariant 5).
+    """Streams ORT batches into every A2 readout; exact for any batch split (ARCHITECTURE
+    invariant 5).
 
     Accumulates E^T Z (n_classes, n_features), sum_i E_i, sums of per-sample
     quantities, sum_i z_i, sum_i |z_i|^2, prediction/label counts and n: memory

@@ -52,7 +52,8 @@ def magnitude_mask(weight: np.ndarray, sparsity: float | None = None, *,
 
 
 def find_prunable(structure, keep_dense: Iterable[str] = ()) -> list:
-    """The prunable layers (METHODS §C1): every Conv and the head Gemm / MatMul, in topological order.
+    """The prunable layers (METHODS §C1): every Conv and the head Gemm / MatMul, in
+    topological order.
 
     All of them count in the budget's N (METHODS §C3: a fraction of all prunable weights);
     ``keep_dense`` is only validated here and handed to :func:`allocate_sparsity`,
