@@ -50,9 +50,18 @@ _VERBS = {
     "sweep_report": "commands.sweep",
 }
 
-#: The records the verbs take (commands/base.py: standard library only).
+#: The records the verbs take: the shared ones (commands/base.py: standard library only)
+#: and each verb's options record (in its verb's module).
 _RECORDS = {name: "commands.base" for name in ("DataRequest", "HeadChoice", "Runtime",
                                                 "ReportTarget")}
+_RECORDS.update({
+    "ReadoutOptions": "commands.analyze", "SelectOptions": "commands.select",
+    "ChannelsOptions": "commands.channels", "LesionOptions": "commands.lesion",
+    "RROptions": "commands.rr", "PruneOptions": "commands.prune",
+    "SweepOptions": "commands.sweep", "PrunerOptions": "commands.pruning",
+    "ChannelPruneOptions": "commands.prune_channels",
+    "PruneSweepOptions": "commands.prune_sweep", "Recovery": "commands.channel_pruning",
+})
 
 #: CLI command -> the Python function it calls.
 CLI_VERBS = {

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 #: Bumped when a report's layout changes incompatibly.
-SCHEMA_VERSION = "onnxdiag.report/1"
+SCHEMA_VERSION = "onnxdiag.report/2"
 
 
 def to_jsonable(value):
