@@ -392,5 +392,5 @@ def test_prune_channels_finetune_with_a_named_head_and_features(training, named,
                  "--out", tmp_path / "rep")
     assert result.exit_code == 0, result.output
     side = json.loads((tmp_path / "ft.onnx.json").read_text())
-    assert side["finetune"]["steps"] == 2 and side["finetune"]["logits"] == "head"
+    assert side["finetune"]["steps"] == 2 and side["finetune"]["logits"] == "logits"
     assert side["accuracy"]["before_recovery"]["n_samples"] == 96

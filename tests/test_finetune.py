@@ -233,6 +233,6 @@ def test_finetune_with_a_head_named_by_its_features(training):
     tuned, record = finetune_model(model, source, FinetuneSettings(epochs=2, max_batches=8,
                                                                    lr=1e-2),
                                    head="head", features="feat", eval_source=source)
-    assert record.logits == "head" and "head.weight" in record.trainable
+    assert record.logits == "logits" and "head.weight" in record.trainable  # MatMul + bias Add
     assert record.eval_loss_after < record.eval_loss_before
     assert record.export_max_abs_diff < 1e-5
