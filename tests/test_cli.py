@@ -214,3 +214,23 @@ def test_outputs_get_the_usual_permissions(tmp_path):
     for path, mode in [(tmp_path / "r", 0o755), (tmp_path / "r" / "report.json", 0o644),
                        (tmp_path / "p.onnx", 0o644), (tmp_path / "p.onnx.json", 0o644)]:
         assert stat.S_IMODE(path.stat().st_mode) == mode, path
+
+
+def test_no_help_text_prints_a_doubled_percent_sign():
+    """click prints help verbatim: a ``%%`` written for %-formatting shows as is."""
+    from onnxdiag.cli import COMMANDS
+
+    for command in [None, *COMMANDS]:
+        result = run(*([command] if command else []), "--help")
+        assert result.exit_code == 0, result.output
+        assert "%%" not in result.output, command
+
+
+def test_verbose_is_a_group_option_and_does_not_leak(monkeypatch):
+    import os
+
+    monkeypatch.delenv("ONNXDIAG_VERBOSE", raising=False)
+    assert "-v, --verbose" in run("--help").output
+    result = run("-vv", "inspect", "--json")
+    assert result.exit_code == 0, result.output
+    assert "ONNXDIAG_VERBOSE" not in os.environ  # restored after the command

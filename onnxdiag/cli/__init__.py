@@ -74,7 +74,7 @@ class _Group(click.Group):
 
     def invoke(self, ctx):
         try:
-            with _warnings_as_lines():
+            with _warnings_as_lines(), _ort_verbosity(ctx.params.get("verbose") or 0):
                 return super().invoke(ctx)
         except _CLICK_EXITS:
             raise
@@ -115,17 +115,43 @@ def _warnings_as_lines():
         warnings.showwarning = shown
 
 
+#: The environment variable onnxdiag.runtime.runner reads for ONNX Runtime's log level
+#: (set here, not imported: ``onnxdiag --help`` imports no numerical library).
+VERBOSITY_VARIABLE = "ONNXDIAG_VERBOSE"
+
+
+@contextlib.contextmanager
+def _ort_verbosity(verbose: int):
+    """``-v`` / ``-vv`` for the duration of the command: ONNX Runtime's own log lines
+    (silent by default) reach stderr; worker processes inherit the variable."""
+    if not verbose:
+        yield
+        return
+    before = os.environ.get(VERBOSITY_VARIABLE)
+    os.environ[VERBOSITY_VARIABLE] = str(verbose)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(VERBOSITY_VARIABLE, None)
+        else:
+            os.environ[VERBOSITY_VARIABLE] = before
+
+
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="onnxdiag")
 @click.option("--debug", is_flag=True,
               help="Show the full traceback of errors (also: ONNXDIAG_DEBUG=1).")
+@click.option("-v", "--verbose", count=True,
+              help="Show ONNX Runtime's own log: -v its warnings and errors, -vv everything "
+                   "(silent by default; also: ONNXDIAG_VERBOSE=1).")
 @click.pass_context
-def cli(ctx, debug):
+def cli(ctx, debug, verbose):
     """Read what a trained ONNX classifier's internals say about it.
 
     Run `onnxdiag analyze` with no arguments to analyse the bundled sample.
     """
-    ctx.obj = {"debug": debug}
+    ctx.obj = {"debug": debug, "verbose": verbose}
 
 
 def load_all() -> click.Group:

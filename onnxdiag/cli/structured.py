@@ -120,7 +120,7 @@ def _records(kw: dict):
               help="Channel score (higher = keep); ix, relevance, two_axis and peer need --data.")
 @click.option("--budget", type=click.Choice(BUDGETS), default="uniform", show_default=True,
               help="uniform: the ratio in every group (FLOPs-matched across scores); global: "
-                   "one threshold over normalised scores, at most 90 %% per group; reference: "
+                   "one threshold over normalised scores, at most 90 % per group; reference: "
                    "the per-group counts of --reference (FLOPs-matched with it).")
 @click.option("--reference", default=None, metavar="PLAN.json",
               help="Allocation for --budget reference: a plan JSON whose per-group counts are "

@@ -126,7 +126,7 @@ def _table(section: dict, ok) -> str:
     return rows_to_csv([{"index": s.checkpoint.index, "step": s.checkpoint.step,
                          "flagged": i in section["flagged"],
                          "selected": i == section.get("selected"),
-                         **readout_row(s.checkpoint.path, s.result)}
+                         **readout_row(s.checkpoint.path, s.result), "n_stored": s.n_stored}
                         for i, s in enumerate(ok)])
 
 
@@ -156,7 +156,7 @@ def summarize_series(ok, *, window, patience, select_by: str, has_eval: bool) ->
         acc = [s.result["evaluation"]["accuracy"] for s in ok]
         loss = [s.result["evaluation"]["loss"] for s in ok]
         out["accuracy"], out["loss"] = acc, loss
-        if zoo:
+        if zoo:  # the per-use count: shared initializers count once per layer
             n_params = [s.n_params for s in ok]
             out["screening"] = {n: rank_models(values[n], acc, READOUTS[n].direction,
                                                n_params=n_params).to_dict()
@@ -186,6 +186,7 @@ def render_selection(section: dict, ok, select_by: str) -> str:
         row["flag"] = "degenerate" if i in section["flagged"] else ""
         rows.append(row)
     lines = ["== Checkpoints ==", render_table(rows).rstrip()]
+    lines += _shared_params_lines(ok)
     for f in section["failed"]:
         lines.append(f"SKIPPED {f['path']}: {f['error']}")
     if "selected" in section:
@@ -204,6 +205,19 @@ def render_selection(section: dict, ok, select_by: str) -> str:
                  for n, r in section["screening"].items()]
         lines += ["", render_table(srows, title="== Screening (architectures ranked) ==").rstrip()]
     return "\n".join(lines) + "\n"
+
+
+def _shared_params_lines(ok, k: int = 5) -> list[str]:
+    """A line when some checkpoints store fewer parameters than they compute with (an
+    exporter shared one initializer between layers with equal weights)."""
+    shared = [(i, s) for i, s in enumerate(ok)
+              if s.n_stored is not None and s.n_params is not None and s.n_stored != s.n_params]
+    if not shared:
+        return []
+    shown = ", ".join(f"#{i} {s.n_stored:,} stored / {s.n_params:,} used"
+                      for i, s in shared[:k])
+    more = f" (first {k} of {len(shared)})" if len(shared) > k else ""
+    return [f"shared initializers: {shown}{more}; n_params and its baselines count every use."]
 
 
 def _render_evaluation(ev: dict) -> str:

@@ -38,7 +38,10 @@ class Structure:
         layers, groups: see :func:`find_layers` / :func:`find_channel_groups`.
         inputs / outputs: graph inputs (initializers excluded) and outputs.
         opset, ir_version: default-domain opset and IR version.
-        n_params: elements of all floating-point initializers.
+        n_params: elements of the floating-point initializers the graph computes with,
+            counted once per node reading them (through Identity nodes, subgraphs
+            included): an initializer shared by two layers counts twice.
+        n_stored: elements of all floating-point initializers as stored, each once.
         n_params_layers: weights + biases of the layers.
         flops: sum of the layers' FLOPs (2 × MACs); None if any layer's is unknown.
         flops_known: the sum over layers whose FLOPs are known.
@@ -55,6 +58,7 @@ class Structure:
     opset: int
     ir_version: int
     n_params: int
+    n_stored: int
     n_params_layers: int
     flops: int | None
     flops_known: int
@@ -69,7 +73,7 @@ class Structure:
         """JSON-able dict (head weight/bias summarised unless ``arrays``)."""
         d = {k: jsonable(getattr(self, k)) for k in (
             "layers", "groups", "inputs", "outputs", "opset", "ir_version", "n_params",
-            "n_params_layers", "flops", "flops_known", "notes", "head_candidates")}
+            "n_stored", "n_params_layers", "flops", "flops_known", "notes", "head_candidates")}
         d["head"] = None if self.head is None else self.head.to_dict(arrays=arrays)
         return d
 
@@ -112,7 +116,8 @@ def analyze_structure(model: onnx.ModelProto, *, head: str | None = None,
         inputs=tuple(_info(index, n) for n in index.inputs),
         outputs=tuple(_info(index, n) for n in index.outputs),
         opset=index.opset, ir_version=int(model.ir_version),
-        n_params=_count_params(index), n_params_layers=sum(la.n_params for la in layers),
+        n_params=_count_params(index), n_stored=_count_stored(index),
+        n_params_layers=sum(la.n_params for la in layers),
         flops=None if unknown else known, flops_known=known, notes=tuple(notes),
         head_candidates=tuple(find_head_candidates(index)))
 
@@ -123,8 +128,45 @@ def _info(index: GraphIndex, name: str) -> TensorInfo:
     return TensorInfo(name, dtype, index.shape(name))
 
 
-def _count_params(index: GraphIndex) -> int:
-    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
-              onnx.TensorProto.BFLOAT16)
+_FLOATS = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16,
+           onnx.TensorProto.BFLOAT16)
+
+
+def _count_stored(index: GraphIndex) -> int:
     return sum(int(np.prod(t.dims)) for t in index.initializers.values()
-               if t.data_type in floats)
+               if t.data_type in _FLOATS)
+
+
+def _count_params(index: GraphIndex) -> int:
+    """Per use: each float initializer's elements times the nodes reading it (a node
+    reading it twice counts once; Identity nodes pass the reads on; unread: 0)."""
+    sizes = {name: int(np.prod(t.dims)) for name, t in index.initializers.items()
+             if t.data_type in _FLOATS}
+    nodes = list(_all_nodes(index.model.graph))
+    alias = {}
+    for node in nodes:  # Identity chains: reads of the copy are reads of the initializer
+        if node.op_type == "Identity" and node.input and node.output:
+            alias[node.output[0]] = node.input[0]
+
+    def root(name: str) -> str:
+        seen = set()
+        while name in alias and name not in seen:
+            seen.add(name)
+            name = alias[name]
+        return name
+
+    uses = 0
+    for node in nodes:
+        if node.op_type != "Identity":
+            uses += sum(sizes.get(name, 0) for name in {root(n) for n in node.input if n})
+    return uses
+
+
+def _all_nodes(graph: onnx.GraphProto):
+    """The graph's nodes and those of its subgraphs (If / Loop / Scan bodies)."""
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else
+                        attr.graphs if attr.type == onnx.AttributeProto.GRAPHS else ()):
+                yield from _all_nodes(sub)

@@ -17,6 +17,13 @@ import numpy as np
 import onnx
 
 from ..errors import DataError, MissingExtraError, ModelLoadError, OnnxDiagError
+from .batching import (
+    batch_candidates,
+    batch_len,
+    find_fixed_batch,
+    run_in_pieces,
+    warn_fixed_batch,
+)
 
 #: Short names accepted by ``--providers``.
 PROVIDER_ALIASES = {
@@ -29,6 +36,9 @@ PROVIDER_ALIASES = {
 ORT_DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-training",
                      "onnxruntime-training-cpu")
 OPTIMIZATION_LEVELS = ("disabled", "basic", "extended", "all")
+#: How much of ONNX Runtime's own log reaches stderr: 0 (default) nothing below fatal,
+#: 1 warnings and errors, 2 or more everything (the CLI's -v / -vv set it).
+VERBOSITY_VARIABLE = "ONNXDIAG_VERBOSE"
 
 
 def import_ort():
@@ -109,14 +119,17 @@ class OrtRunner:
             options.intra_op_num_threads = threads
         if not spinning:  # threads sleep between runs: leaves the cores to NumPy work
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        options.log_severity_level = 3
         self.requested_providers = resolve_providers(providers)
         self._tmp = None
+        self._model = model  # a reference (no copy): read again only after a failed run
         self.session = open_session(self._session_source(model), options,
                                     self.requested_providers)
         self.providers = list(self.session.get_providers())
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
+        #: The one batch size the graph runs at, once a failed run found it (else None).
+        self.fixed_batch: int | None = None
+        self._probed = False
 
     def _session_source(self, model):
         if isinstance(model, (str, os.PathLike)):
@@ -135,8 +148,28 @@ class OrtRunner:
 
     def run(self, feeds: dict[str, np.ndarray], output_names: Sequence[str] | None = None
             ) -> dict[str, np.ndarray]:
-        """Run one batch; returns ``{output_name: array}`` for the requested outputs."""
+        """Run one batch; returns ``{output_name: array}`` for the requested outputs.
+
+        A graph that runs at one batch size only (its export baked the batch in) is
+        recognised on the first failed run and from then on run that many samples at a
+        time (:mod:`.batching`; one DataWarning says so). Raises DataError when ONNX
+        Runtime rejects the data.
+        """
         names = list(output_names) if output_names is not None else self.output_names
+        if self.fixed_batch is not None and batch_len(feeds) != self.fixed_batch:
+            return run_in_pieces(self._run_once, feeds, names, self.fixed_batch)
+        try:
+            return self._run_once(feeds, names)
+        except DataError as error:
+            if self._probed:
+                raise
+            self._probed = True
+            self.fixed_batch = self._find_fixed_batch(feeds, names, error)
+            if self.fixed_batch is None:
+                raise
+        return run_in_pieces(self._run_once, feeds, names, self.fixed_batch)
+
+    def _run_once(self, feeds: dict, names: list) -> dict:
         try:
             values = self.session.run(names, feeds)
         except Exception as exc:  # ORT raises its own exception types for bad feeds
@@ -149,6 +182,16 @@ class OrtRunner:
                 ) from exc
             raise
         return dict(zip(names, values))
+
+    def _find_fixed_batch(self, feeds: dict, names: list, error: DataError) -> int | None:
+        message = str(error.__cause__ or error)
+        dims = {i.name: (i.shape[0] if i.shape else None) for i in self.session.get_inputs()}
+        candidates = batch_candidates(self._model, list(dims.values()), message,
+                                      batch_len(feeds))
+        k = find_fixed_batch(self._run_once, feeds, names, candidates)
+        if k is not None:
+            warn_fixed_batch(k, message, next((n for n, d in dims.items() if d == k), None))
+        return k
 
     def stream(self, source, output_names: Sequence[str] | None = None, *,
                label: str | None = None) -> Iterator[tuple[object, dict[str, np.ndarray]]]:
@@ -166,8 +209,21 @@ class OrtRunner:
             yield batch, self.run(batch.feeds, output_names)
 
 
+def ort_log_severity() -> int:
+    """ONNX Runtime's log severity for the verbosity in ``$ONNXDIAG_VERBOSE`` (set by the
+    CLI's ``-v``; worker processes inherit it): 0 or unset → 4 (fatal only: the errors
+    ORT logs from C++ straight to stderr are silent, onnxdiag reports them itself),
+    1 → 2 (warnings and errors), 2 or more → 0 (verbose)."""
+    try:
+        verbosity = int(os.environ.get(VERBOSITY_VARIABLE, "0") or 0)
+    except ValueError:
+        verbosity = 0
+    return 4 if verbosity <= 0 else 2 if verbosity == 1 else 0
+
+
 def open_session(source, options, providers: list[str]):
-    """``onnxruntime.InferenceSession(source, options, providers=providers)``.
+    """``onnxruntime.InferenceSession(source, options, providers=providers)``, with ONNX
+    Runtime's own logging at :func:`ort_log_severity` (session and default logger).
 
     Raises:
         ModelLoadError: this ONNX Runtime cannot run the model: an opset newer than it
@@ -176,6 +232,9 @@ def open_session(source, options, providers: list[str]):
             re-raised as it is.
     """
     ort = import_ort()
+    severity = ort_log_severity()
+    options.log_severity_level = severity
+    ort.set_default_logger_severity(severity)
     try:
         return ort.InferenceSession(source, options, providers=providers)
     except Exception as exc:  # ORT raises its own exception types

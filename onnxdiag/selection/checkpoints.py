@@ -94,18 +94,25 @@ def _read_listing(path: Path) -> list[tuple[str, float | None]]:
 
 @dataclass(frozen=True)
 class ScoredCheckpoint:
-    """The result of one worker: the probe result's dict, or the error that stopped it."""
+    """The result of one worker: the probe result's dict, or the error that stopped it.
+
+    ``n_params``: parameters the graph computes with, per use (an initializer the exporter
+    shares between cloned layers counts once per layer), the count the baselines use;
+    ``n_stored``: the same initializers as stored, each once (Structure.n_params /
+    n_stored)."""
 
     checkpoint: Checkpoint
     result: dict | None
     error: str | None
     n_params: int | None = None
     architecture: str | None = None
+    n_stored: int | None = None
 
     def to_dict(self) -> dict:
         return {"path": self.checkpoint.path, "index": self.checkpoint.index,
                 "step": self.checkpoint.step, "n_params": self.n_params,
-                "architecture": self.architecture, "error": self.error, "result": self.result}
+                "n_stored": self.n_stored, "architecture": self.architecture,
+                "error": self.error, "result": self.result}
 
 
 @dataclass(frozen=True)
@@ -185,7 +192,7 @@ def score_checkpoint(checkpoint: Checkpoint, probe, evaluation,
                          include_bias=options.include_bias, providers=options.providers,
                          threads=options.threads)
     return ScoredCheckpoint(checkpoint, result.to_dict(), None, structure.n_params,
-                            architecture_signature(structure))
+                            architecture_signature(structure), structure.n_stored)
 
 
 def architecture_signature(structure) -> str:

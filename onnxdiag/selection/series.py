@@ -341,7 +341,11 @@ def _rank_stats(x: np.ndarray, y: np.ndarray) -> tuple[float, float, str]:
 def rank_models(values: Sequence[float], accuracy: Sequence[float], direction: str, *,
                 n_params: Iterable[float] | None = None) -> ModelRanking:
     """Spearman rho / Kendall tau of a readout vs accuracy across models (one value each),
-    with the same for the parameter count when ``n_params`` is given (else nan)."""
+    with the same for the parameter count when ``n_params`` is given (else nan).
+
+    ``n_params``: what each model computes with, per use (Structure.n_params), not the
+    stored initializers: a model whose exporter shared one initializer between equal
+    layers is as large as the same model with distinct weights."""
     acc = _accuracy(accuracy)
     v = _series(values, "values", acc.size)
     rho, tau, reason = _rank_stats(v, acc)
