@@ -67,7 +67,8 @@ def naive_curves(model, layers, feeds, grid) -> np.ndarray:
     return rr
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> tuple[argparse.Namespace, tuple]:
+    """The command line, and the grid (the small one with --smoke)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(ROOT / "models/sample/model.onnx"))
     ap.add_argument("--data", default=str(ROOT / "models/sample/calib.npz"))
@@ -85,7 +86,11 @@ def main(argv=None) -> int:
     if args.smoke:
         args.n, args.batch_size, args.repeat, args.tradeoff = 64, 32, 1, "32,64:4,16"
         grid = SMOKE_GRID
+    return args, grid
 
+
+def main(argv=None) -> int:
+    args, grid = parse_args(argv)
     from onnxdiag.commands.pruning import PrunerOptions
     from onnxdiag.graph import analyze_structure
     from onnxdiag.model.io import load_model
