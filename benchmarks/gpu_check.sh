@@ -15,6 +15,8 @@
 #                            venv: no install step (what tests/test_benchmarks.py does)
 #   GPU_CHECK_VENV=DIR       where to make the venv (default: a new temporary folder)
 #   GPU_CHECK_WHEELS=DIR     install offline from these wheels (pip --no-index --find-links)
+#   GPU_CHECK_SYSTEM_SITE=1  the venv sees the system's packages (--system-site-packages):
+#                            offline, only what the system lacks needs a wheel
 #   GPU_CHECK_PIP_EXTRA=...  more requirements for the venv, e.g. "onnxruntime-gpu[cuda,cudnn]"
 #                            where the machine has a driver but no CUDA 12 / cuDNN 9 libraries
 #   GPU_CHECK_SMOKE=1        bench_gpu.py --smoke (seconds instead of about a minute)
@@ -48,7 +50,9 @@ else
     venv="${GPU_CHECK_VENV:-$(mktemp -d)/venv}"
     extra=$([[ $mode == cuda ]] && echo gpu || echo cpu)
     step "fresh venv $venv with the [$extra,test] extras"
-    "${PYTHON:-python3}" -m venv "$venv"
+    venv_args=()
+    if [[ "${GPU_CHECK_SYSTEM_SITE:-0}" == 1 ]]; then venv_args+=(--system-site-packages); fi
+    "${PYTHON:-python3}" -m venv "${venv_args[@]}" "$venv"
     py="$venv/bin/python"
     pip_args=(-q --disable-pip-version-check)
     if [[ -n "${GPU_CHECK_WHEELS:-}" ]]; then
