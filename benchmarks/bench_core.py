@@ -2,6 +2,7 @@
 """Cost of onnxdiag's measurement passes relative to plain ONNX Runtime inference.
 
     python benchmarks/bench_core.py [--model models/sample/model.onnx] [--n 10000]
+    python benchmarks/bench_core.py --smoke      # 512 images, one repeat, seconds
 
 Measures on N real Fashion-MNIST test images (Debian package dataset-fashion-mnist):
   plain      plain ORT inference of the model (the baseline, 1.00x)
@@ -18,13 +19,17 @@ inflate them for the spinning variants, so their ratio is taken against plain_no
 and the peak resident memory of the channel-statistics pass at N/10 and N images (separate
 processes), which must not grow with N. Each timing is the best of --repeat runs after a
 warm-up; ORT uses its default threads (all cores) in every variant.
+
+Consistency checks (every run): the model's own outputs with every conv exposed equal the
+plain model's to float32 rounding, and the statistics pass with the default taps has the
+moments of the output-tap pass to float32 rounding.
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
+import os
 import platform
 import resource
 import subprocess
@@ -34,22 +39,16 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-FMNIST = Path("/usr/share/datasets/fashion-mnist")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import (  # noqa: E402
+    ROOT,
+    check,
+    load_fashion_mnist_test,
+    moments_difference,
+)
 
 
-def load_fashion_mnist_test(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """First n test images as float32 (n, 1, 28, 28) in [0, 1], and labels."""
-    with gzip.open(FMNIST / "t10k-images-idx3-ubyte.gz") as f:
-        x = np.frombuffer(f.read(), np.uint8, offset=16).reshape(-1, 1, 28, 28)
-    with gzip.open(FMNIST / "t10k-labels-idx1-ubyte.gz") as f:
-        y = np.frombuffer(f.read(), np.uint8, offset=8).astype(np.int64)
-    reps = -(-n // len(x))
-    x, y = np.concatenate([x] * reps)[:n], np.concatenate([y] * reps)[:n]
-    return (x.astype(np.float32) / 255.0), y
-
-
-def best_of_interleaved(fns: dict, repeat: int) -> dict:
+def best_of_interleaved(fns: dict, repeat: int, pause: float = 0.2) -> tuple[dict, dict]:
     """Best time of each variant over ``repeat`` round-robin rounds after one warm-up each.
 
     Round-robin (plain, expose, …, plain, expose, …) so that load from other processes
@@ -64,7 +63,7 @@ def best_of_interleaved(fns: dict, repeat: int) -> dict:
         for name, fn in fns.items():
             # Let the previous variant's ORT threads stop spin-waiting first: their spin
             # would otherwise be charged to whichever variant runs next.
-            time.sleep(0.2)
+            time.sleep(pause)
             t0, c0 = time.perf_counter(), time.process_time()
             fn()
             best[name] = min(best[name], time.perf_counter() - t0)
@@ -72,7 +71,8 @@ def best_of_interleaved(fns: dict, repeat: int) -> dict:
     return best, cpu
 
 
-def run_variants(model_path: str, n: int, batch_size: int, repeat: int) -> dict:
+def run_variants(model_path: str, n: int, batch_size: int, repeat: int,
+                 pause: float = 0.2) -> dict:
     from onnxdiag.channels.collect import (
         StatsRunner,
         collect_channel_moments,
@@ -112,11 +112,23 @@ def run_variants(model_path: str, n: int, batch_size: int, repeat: int) -> dict:
                                                     runner=stats_runner),
         "channels_output_taps": lambda: collect_channel_moments(
             model, structure, source, runner=output_runner, tap="output"),
-    }, repeat)
+    }, repeat, pause)
+    first = next(iter(source.batches())).feeds
+    ours, theirs = plain.run(first), exposed.run(first, plain.output_names)
+    checks = {
+        "outputs_exposed_vs_plain": max(
+            float(np.abs(ours[k] - theirs[k]).max() / max(np.abs(ours[k]).max(), 1e-30))
+            for k in plain.output_names),
+        "moments_auto_vs_output_taps": moments_difference(
+            collect_channel_moments(model, structure, source, runner=output_runner,
+                                    tap="output"),
+            collect_channel_moments(model, structure, source, runner=stats_runner)),
+    }
     return {"seconds": results,
             "ratio": {k: v / results["plain"] for k, v in results.items()},
             "cpu_seconds": cpu,
             "cpu_ratio_vs_nospin": {k: v / cpu["plain_nospin"] for k, v in cpu.items()},
+            "checks": checks,
             "n_images": n, "batch_size": batch_size, "n_convs_exposed": len(convs),
             "n_layers_analysed": len(find_analysed_layers(structure))}
 
@@ -189,36 +201,53 @@ class BatchStream:
             yield {"input": self.base[idx], "labels": self.labels[idx]}
 
 
-def main() -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("--model", default=str(ROOT / "models" / "sample" / "model.onnx"))
     ap.add_argument("--n", type=int, default=10000)
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true",
+                    help="512 images, one repeat, no pause: every pass and check in seconds")
     ap.add_argument("--json", default=None, help="Also write the results here.")
     ap.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.memory_child:
-        return memory_child(args.model, args.memory_child, args.batch_size)
-    res = run_variants(args.model, args.n, args.batch_size, args.repeat)
+        memory_child(args.model, args.memory_child, args.batch_size)
+        return 0
+    if args.smoke:
+        args.n, args.repeat = 512, 1
+    res = run_variants(args.model, args.n, args.batch_size, args.repeat,
+                       pause=0.0 if args.smoke else 0.2)
     res["memory"] = {str(k): peak_memory_mb(args.model, k, args.batch_size)
                      for k in (args.n // 10, args.n)}
     res["machine"] = f"{platform.machine()}, {platform.processor() or ''} "\
-                     f"{__import__('os').cpu_count()} cores, Python {platform.python_version()}"
+                     f"{os.cpu_count()} cores, Python {platform.python_version()}"
+    print_results(res)
+    check(res["checks"]["outputs_exposed_vs_plain"] < 1e-4,
+          "model outputs with every conv exposed = plain outputs (max relative difference "
+          f"{res['checks']['outputs_exposed_vs_plain']:.1e} < 1e-4)")
+    check(res["checks"]["moments_auto_vs_output_taps"] < 1e-4,
+          "statistics with auto taps = output taps (max difference "
+          f"{res['checks']['moments_auto_vs_output_taps']:.1e} standard deviations < 1e-4)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    return 0
+
+
+def print_results(res: dict) -> None:
     print(f"{'pass':20s} {'seconds':>8s} {'x plain':>8s} {'cpu s':>8s} {'cpu x nospin':>12s}")
     for k, v in res["seconds"].items():
         print(f"{k:20s} {v:8.3f} {res['ratio'][k]:8.2f} {res['cpu_seconds'][k]:8.3f} "
               f"{res['cpu_ratio_vs_nospin'][k]:12.2f}")
-    res["load_average"] = __import__("os").getloadavg()
+    res["load_average"] = os.getloadavg()
     print("load average (1, 5, 15 min) after the timings: "
           + ", ".join(f"{x:.2f}" for x in res["load_average"]))
     for k, m in res["memory"].items():
         print(f"channel-statistics pass, {k} images: peak RSS {m['peak_mib']:.1f} MiB, "
               f"growth during the pass {m['growth_mib']:.1f} MiB (streamed data: "
               f"{m['data_mib']:.1f} MiB in all)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,6 +2,7 @@
 """What structured channel pruning (METHODS §B6, issue 6) buys on ONNX Runtime CPU.
 
     python benchmarks/bench_prune.py [--model models/sample/model.onnx] [--ratio 0.5]
+    python benchmarks/bench_prune.py --smoke      # 2 rounds of short blocks, seconds
 
 Removes ``--ratio`` of every prunable channel group (uniform budget, magnitude score: with
 the uniform budget every score gives the same shapes, so the same speed), then measures in
@@ -9,6 +10,9 @@ one process: parameters, FLOPs, file size, and the median ONNX Runtime CPU laten
 dense and the pruned model at batch 1 and batch 32 on real Fashion-MNIST test images, with
 1 intra-op thread and with ORT's default threads. Dense and pruned timings are interleaved
 round by round (each round times a block of runs) so machine noise hits both alike.
+
+Consistency check (every run): another score (bn_scale) under the same uniform budget
+gives the same channel widths and FLOPs, so the timings hold for every score.
 """
 
 from __future__ import annotations
@@ -23,10 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from bench_core import load_fashion_mnist_test  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import ROOT, check, load_fashion_mnist_test  # noqa: E402
 
 
 def prune(model_path: str, ratio: float, score: str):
@@ -76,8 +78,13 @@ def main(argv=None) -> int:
     parser.add_argument("--ratio", type=float, default=0.5)
     parser.add_argument("--score", default="magnitude")
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--smoke", action="store_true",
+                        help="2 rounds of blocks of 10 (batch 1) / 2 (batch 32) runs")
     parser.add_argument("--json", default=None, help="Also write the results here.")
     args = parser.parse_args(argv)
+    blocks = ((1, 200), (32, 20))
+    if args.smoke:
+        args.rounds, blocks = 2, ((1, 10), (32, 2))
 
     import onnxruntime as ort
 
@@ -99,7 +106,7 @@ def main(argv=None) -> int:
                "machine": platform.platform(), "onnxruntime": ort.__version__}
     for threads in (1, None):
         sessions = {"dense": session(dense, threads), "pruned": session(pruned, threads)}
-        for batch, block in ((1, 200), (32, 20)):
+        for batch, block in blocks:
             ms = latency(sessions, x[:batch], args.rounds, block)
             results["latency_ms"][f"b{batch}_t{threads or 'default'}"] = ms
     print(f"channels removed {plan.n_removed}/{results['channels_total']} "
@@ -117,6 +124,10 @@ def main(argv=None) -> int:
         batch, threads = key[1:].split("_t")
         print(f"| {batch} | {threads} | {ms['dense']:.4f} | {ms['pruned']:.4f} | "
               f"{ms['dense'] / ms['pruned']:.2f}x |")
+    _, _, _, other = prune(args.model, args.ratio, "bn_scale")
+    check(other.widths == record.widths and other.flops_after == record.flops_after,
+          f"bn_scale under the same uniform budget gives the same widths and FLOPs as "
+          f"{args.score} ({other.flops_after:,})")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

@@ -2,6 +2,7 @@
 """Aggregate `onnxdiag prune-sweep` reports over seeds into the RESULTS.md tables (issue 6).
 
     python benchmarks/bench_prune_sweep.py SWEEP_DIR [SWEEP_DIR ...]
+    python benchmarks/bench_prune_sweep.py --smoke   # two tiny sweeps made here, seconds
 
 Each SWEEP_DIR is a prune-sweep report folder (report.json), one per --seed, all with the
 same ratios and scores. Prints, per score, the top-1 accuracy (%) at each kept-channel
@@ -9,22 +10,71 @@ fraction before / after recovery (mean over the reports), the normalised AUC bef
 after (mean ± sd over the reports), and per report the best local-axis (ix, peer) minus
 best target-axis (relevance) AUC in points. "After" is whatever recovery the sweeps
 applied (--recalibrate-bn and/or --finetune; the report's "recovery").
+
+``--smoke`` first runs two tiny sweeps of the bundled sample through the Python API (seeds
+0 and 1; 256 calibration / 300 evaluation images, ratios 0.25 and 0.5, scores magnitude,
+ix and relevance, BN recalibration as the recovery) into a temporary folder and aggregates
+those. Consistency checks (every run): each report's AUCs equal the trapezoid area under
+its own accuracy rows (recomputed here), and the FLOPs are identical for every score.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import SAMPLE, check  # noqa: E402
+
 
 def main(argv=None) -> int:
-    folders = [Path(p) for p in (argv if argv is not None else sys.argv[1:])]
-    if not folders:
-        print(__doc__)
-        return 2
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv in (["--smoke"], ["-h"], ["--help"], []):
+        if argv != ["--smoke"]:
+            print(__doc__)
+            return 0 if argv else 2
+        with tempfile.TemporaryDirectory(prefix="bench-prune-sweep-") as tmp:
+            return aggregate(smoke_sweeps(Path(tmp)))
+    return aggregate([Path(p) for p in argv])
+
+
+def smoke_sweeps(folder: Path) -> list[Path]:
+    """Two tiny prune-sweep reports of the bundled sample (seeds 0, 1) under ``folder``."""
+    from onnxdiag import (
+        DataRequest,
+        PruneSweepOptions,
+        Recovery,
+        ReportTarget,
+        Runtime,
+        prune_sweep_report,
+    )
+
+    out = []
+    for seed in (0, 1):
+        out.append(folder / f"sweep_s{seed}")
+        prune_sweep_report(
+            str(SAMPLE / "model.onnx"), data=DataRequest(str(SAMPLE / "calib.npz"), limit=256),
+            eval_data=DataRequest(str(SAMPLE / "eval.npz"), limit=300),
+            options=PruneSweepOptions(ratios=(0.25, 0.5), scores=("magnitude", "ix",
+                                                                   "relevance"), seed=seed),
+            recovery=Recovery(recalibrate_bn=True), runtime=Runtime(progress=False),
+            report=ReportTarget(out=out[-1]))
+    return out
+
+
+def trapezoid_auc(rows: list, key: str, top: float) -> float:
+    """Area under accuracy(kept fraction) with the dense point (1.0, top), over top × the
+    kept range: the report's normalised AUC, recomputed."""
+    pts = sorted([(1.0, top)] + [(r["kept_fraction"], r[key]) for r in rows])
+    area = sum((k1 - k0) * (a0 + a1) / 2 for (k0, a0), (k1, a1) in zip(pts, pts[1:]))
+    return area / (top * (pts[-1][0] - pts[0][0]))
+
+
+def aggregate(folders: list[Path]) -> int:
     sweeps = [json.loads((f / "report.json").read_text())["prune_sweep"] for f in folders]
     scores = list(sweeps[0]["auc"])
     ratios = sorted({r["ratio"] for r in sweeps[0]["rows"]})
@@ -63,7 +113,26 @@ def main(argv=None) -> int:
     print("FLOPs ratio per kept fraction (identical for every score: "
           f"{all(v['matched'] for s in sweeps for v in s['flops_matched'].values())}): "
           + ", ".join(f"{1 - float(r):.2f}: {v['flops_ratio_min']:.3f}" for r, v in flops.items()))
+    check_aucs(sweeps, scores, fin)
+    check(all(v["matched"] for s in sweeps for v in s["flops_matched"].values()),
+          "FLOPs identical for every score at each kept fraction")
     return 0
+
+
+def check_aucs(sweeps: list, scores: list, fin: bool) -> None:
+    worst = 0.0
+    for s in sweeps:
+        dense = s["dense_accuracy"]
+        after_top = s.get("dense_accuracy_after_recovery") or dense
+        for sc in scores:
+            rows = [r for r in s["rows"] if r["score"] == sc]
+            for phase, key, top in (("before", "accuracy_before", dense),
+                                    ("after", "accuracy_after", after_top))[:1 + fin]:
+                reported = s["auc"][sc].get(phase)
+                if reported is not None:
+                    worst = max(worst, abs(reported - trapezoid_auc(rows, key, top)))
+    check(worst < 1e-9, f"every AUC = the trapezoid area under its report's accuracy rows "
+                        f"(max difference {worst:.1e})")
 
 
 if __name__ == "__main__":

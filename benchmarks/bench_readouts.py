@@ -2,6 +2,7 @@
 """Readouts (METHODS §A) cost: onnxdiag vs plain ORT inference vs an equivalent PyTorch pipeline.
 
     python benchmarks/bench_readouts.py [--sample models/sample] [--n 5000]
+    python benchmarks/bench_readouts.py --smoke      # 512 images, one repeat, seconds
 
 On N real Fashion-MNIST test images and the bundled sample model:
   plain ORT       plain inference of the model (baseline)
@@ -11,21 +12,25 @@ On N real Fashion-MNIST test images and the bundled sample model:
                   forward with the head's input detached, cross-entropy, backward through the
                   head only, the gradient norm accumulated (same threads as ORT)
 Timings are the best of --repeat runs after a warm-up. Requires torch (pip install -e .[tools]).
+
+Consistency checks (every run): the head-gradient norm of onnxdiag (float64 closed form) and
+of the torch pipeline (float32 autograd) agree to 1e-5 relative, and the `readouts` verb
+reports the readout pass's value.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.bench_core import best_of, load_fashion_mnist_test  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import ROOT, best_of, check, load_fashion_mnist_test  # noqa: E402
 
 
 def torch_model(sample: Path):
@@ -75,17 +80,39 @@ def torch_pipeline(net, x: np.ndarray, y: np.ndarray, batch_size: int) -> float:
     return float(torch.linalg.norm(grad / len(x)))
 
 
-def main() -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     ap.add_argument("--sample", default=str(ROOT / "models" / "sample"))
     ap.add_argument("--n", type=int, default=5000)
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3)
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="512 images, one repeat (seconds)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.n, args.repeat = 512, 1
+    with tempfile.TemporaryDirectory(prefix="bench-readouts-") as tmp:
+        result = measure(args, Path(tmp))
+    for k, v in result["seconds"].items():
+        print(f"{k:16s} {v:8.3f} s")
+    for k, v in result["ratios"].items():
+        print(f"{k:32s} {v:6.3f}")
+    agree = result["agreement"]
+    ours, theirs = agree["onnxdiag_head_grad"], agree["torch_head_grad"]
+    print(f"head-gradient norm: onnxdiag {ours:.8f}, torch {theirs:.8f}")
+    check(abs(ours - theirs) <= 1e-5 * abs(ours),
+          f"head-gradient norm onnxdiag = torch to 1e-5 relative ({ours:.8f} vs {theirs:.8f})")
+    verb = agree["readouts_verb_head_grad"]
+    check(abs(verb - ours) <= 1e-9 * abs(ours),
+          f"the readouts verb reports the readout pass's head-gradient norm ({verb:.8f})")
+    return 0
 
+
+def measure(args, tmp: Path) -> dict:
+    """Every timing of the benchmark and the values the checks compare."""
     import onnxruntime as ort
     import torch
 
+    from onnxdiag import DataRequest, ReportTarget, Runtime
     from onnxdiag.commands.analyze import readouts_report
     from onnxdiag.data.source import open_data
     from onnxdiag.evaluate import make_head_runner
@@ -96,15 +123,14 @@ def main() -> None:
 
     sample = Path(args.sample)
     x, y = load_fashion_mnist_test(args.n)
-    npz = ROOT / ".bench" / f"probe_{args.n}.npz"
-    npz.parent.mkdir(exist_ok=True)
+    npz = tmp / f"probe_{args.n}.npz"
     np.savez(npz, input=x, labels=y)
     model = load_model(sample / "model.onnx")
     structure = analyze_structure(model)
     source = open_data({"input": x, "labels": y}, get_input_specs(model),
                        batch_size=args.batch_size)
     plain, head_runner = OrtRunner(model), make_head_runner(model, structure.head)
-    threads = ort.SessionOptions().intra_op_num_threads or __import__("os").cpu_count()
+    threads = ort.SessionOptions().intra_op_num_threads or os.cpu_count()
     torch.set_num_threads(threads)
     net = torch_model(sample)
 
@@ -112,19 +138,23 @@ def main() -> None:
         for batch in source.batches():
             plain.run(batch.feeds)
 
+    def run_verb():
+        return readouts_report(
+            str(sample / "model.onnx"), data=DataRequest(str(npz), batch_size=args.batch_size),
+            runtime=Runtime(progress=False), report=ReportTarget(write=False))
+
     result = {}
     ours = probe_model(model, structure, source, runner=head_runner, targets="labels",
                        norm="raw")
     theirs = torch_pipeline(net, x, y, args.batch_size)
+    verb = run_verb().report["readouts"]["readouts"]["values"]["head_grad"]
     result["agreement"] = {"onnxdiag_head_grad": ours.readouts.values["head_grad"],
-                           "torch_head_grad": theirs}
+                           "torch_head_grad": theirs, "readouts_verb_head_grad": verb}
     result["seconds"] = {
         "plain ORT": best_of(run_plain, args.repeat),
         "readout pass": best_of(lambda: probe_model(model, structure, source,
                                                     runner=head_runner), args.repeat),
-        "readouts cmd": best_of(lambda: readouts_report(
-            str(sample / "model.onnx"), data=str(npz), batch_size=args.batch_size,
-            write=False), args.repeat),
+        "readouts cmd": best_of(run_verb, args.repeat),
         "torch pipeline": best_of(lambda: torch_pipeline(net, x, y, args.batch_size),
                                   args.repeat),
     }
@@ -133,13 +163,8 @@ def main() -> None:
                         "readouts cmd / torch pipeline": s["readouts cmd"] / s["torch pipeline"]}
     result.update(n_images=args.n, batch_size=args.batch_size, threads=threads,
                   torch=torch.__version__, onnxruntime=ort.__version__)
-    for k, v in s.items():
-        print(f"{k:16s} {v:8.3f} s")
-    for k, v in result["ratios"].items():
-        print(f"{k:32s} {v:6.3f}")
-    print(f"head-gradient norm: onnxdiag {ours.readouts.values['head_grad']:.8f}, "
-          f"torch {theirs:.8f}")
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

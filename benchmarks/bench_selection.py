@@ -8,6 +8,11 @@ checkpoint each batch picks, and the selection gap (window and whole series), ne
 "last checkpoint" and "random checkpoint" baselines.
 
     python benchmarks/bench_selection.py --batches 4 --targets labels expected
+    python benchmarks/bench_selection.py --smoke   # 9 checkpoints, 3 batches of 32, seconds
+
+Consistency checks (every run): on each probe batch the readouts of every checkpoint are
+the same for window 5 and window all (only the choice differs), and the accuracies and
+baselines are the same for every probe batch.
 """
 
 from __future__ import annotations
@@ -20,21 +25,24 @@ from pathlib import Path
 
 import numpy as np
 
-from onnxdiag.commands.select import select_report
-from onnxdiag.selection.series import correlate_series
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import SAMPLE, check  # noqa: E402
+from onnxdiag import DataRequest, ReportTarget, Runtime, SelectOptions  # noqa: E402
+from onnxdiag.commands.select import select_report  # noqa: E402
+from onnxdiag.selection.series import correlate_series  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-SAMPLE = ROOT / "models" / "sample"
 SHOWN = ["head_grad", "head_grad_feature", "head_grad_head", "loss", "logit_margin",
          "confidence", "entropy", "prob_margin", "curvature", "weight_norm"]
 
 
-def split_probe(path: Path, k: int, seed: int, folder: Path) -> list[Path]:
-    """Write K disjoint, equally sized, seeded subsets of an .npz probe set."""
+def split_probe(path: Path, k: int, seed: int, folder: Path,
+                n_used: int | None = None) -> list[Path]:
+    """Write K disjoint, equally sized, seeded subsets of an .npz probe set (of its first
+    ``n_used`` images of a seeded permutation when given)."""
     data = np.load(path)
     n = len(data["labels"])
     order = np.random.default_rng(seed).permutation(n)
-    size = n // k
+    size = min(n, n_used or n) // k
     out = []
     for b in range(k):
         idx = np.sort(order[b * size:(b + 1) * size])
@@ -45,9 +53,11 @@ def split_probe(path: Path, k: int, seed: int, folder: Path) -> list[Path]:
 
 
 def run_batch(probe: Path, targets: str, window, args) -> dict:
-    res = select_report(args.checkpoints, data=str(probe), eval_data=args.eval_data,
-                        targets=targets, window=window, write=False, progress=False,
-                        jobs=args.jobs)
+    res = select_report(args.checkpoints, data=str(probe),
+                        eval_data=DataRequest(args.eval_data, limit=args.eval_limit),
+                        options=SelectOptions(targets=targets, window=window),
+                        runtime=Runtime(jobs=args.jobs, progress=False),
+                        report=ReportTarget(write=False))
     sel = res.report["selection"]
     values = {n: np.array([c["result"]["readouts"]["values"].get(n, np.nan)
                            for c in sel["checkpoints"]]) for n in SHOWN}
@@ -65,7 +75,10 @@ def run_batch(probe: Path, targets: str, window, args) -> dict:
                        gap_o=None if pick is None else pick["gap_overall_pp"],
                        wrong=ev["readouts"].get(n, {}).get("wrong_sign", False))
     base = {k: ev[k] for k in ("last", "random", "oracle_window", "oracle_overall")}
-    return dict(rows=rows, base=base, flagged=sel["flagged"], acc=acc)
+    names = [Path(p).stem for p in sel["paths"]]
+    window_names = [names[i] for i in ev["window_indices"]]
+    return dict(rows=rows, base=base, flagged=sel["flagged"], acc=acc, values=values,
+                names=names, window=f"{window_names[0]}–{window_names[-1][-3:]}")
 
 
 def ms(xs) -> str:
@@ -83,9 +96,10 @@ def gap(xs) -> str:
 
 
 def table(runs: list[dict], runs_all: list[dict], label: str) -> str:
+    names = runs[0]["names"]
     lines = [f"Targets: `{label}`; {len(runs)} disjoint probe batches. Correlations are over the "
-             "16 checkpoints (all) and without ckpt_000 (w/o init); picks and gaps use "
-             "window 5 (ckpt_011–015) and the whole series.", "",
+             f"{len(names)} checkpoints (all) and without {names[0]} (w/o init); picks and gaps "
+             f"use window 5 ({runs[0]['window']}) and the whole series.", "",
              "| readout | Pearson r (all) | Spearman ρ (all) | Pearson r (w/o init) | "
              "Spearman ρ (w/o init) | picks (window 5) | gap window 5 (pp) | "
              "picks (all) | gap vs best overall, window all (pp) |",
@@ -125,20 +139,45 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=None)
     ap.add_argument("--targets", nargs="+", default=["labels", "expected"])
+    ap.add_argument("--probe-n", type=int, default=None,
+                    help="split only this many probe images (default: all)")
+    ap.add_argument("--eval-limit", type=int, default=None,
+                    help="evaluation images (a seeded subset; default: all)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="9 of the 16 checkpoints, 3 batches of 32 probe images, 100 "
+                         "evaluation images, in-process")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.batches, args.probe_n, args.eval_limit, args.jobs = 3, 96, 100, 1
+        args.checkpoints = [str(SAMPLE / "checkpoints" / f"ckpt_{i:03d}.onnx")
+                            for i in (0, 3, 6, 9, 11, 12, 13, 14, 15)]
     if args.batches < 3:
         ap.error("--batches must be at least 3")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        probes = split_probe(Path(args.probe), args.batches, args.seed, Path(tmp))
+        probes = split_probe(Path(args.probe), args.batches, args.seed, Path(tmp), args.probe_n)
         for targets in args.targets:
             runs = [run_batch(p, targets, 5, args) for p in probes]
             runs_all = [run_batch(p, targets, "all", args) for p in probes]
             print(table(runs, runs_all, targets))
             print()
+            consistency(runs, runs_all, targets)
     print(f"({args.batches} batches × {len(args.targets)} target kinds × 2 windows in "
           f"{time.perf_counter() - t0:.1f} s)", file=sys.stderr)
     return 0
+
+
+def consistency(runs: list[dict], runs_all: list[dict], targets: str) -> None:
+    same_values = all(np.array_equal(a["values"][n], b["values"][n], equal_nan=True)
+                      for a, b in zip(runs, runs_all) for n in SHOWN)
+    check(same_values, f"targets {targets}: every checkpoint's readouts are the same for "
+                       "window 5 and window all on each probe batch")
+    first = runs[0]
+    same_base = all(np.array_equal(r["acc"], first["acc"]) and r["base"] == first["base"]
+                    for r in runs[1:]) and all(r["base"] == runs_all[0]["base"]
+                                               for r in runs_all[1:])
+    check(same_base, f"targets {targets}: accuracies and baselines are the same for every "
+                     "probe batch")
 
 
 if __name__ == "__main__":

@@ -5,14 +5,15 @@
 
 Per architecture (its ``cosine`` run, seed 0; probe = the zoo's calib.npz):
 
-1. ``onnxdiag.channels_report([ckpt_000, last], write=False)`` (the API of ``onnxdiag
-   channels``): the median over layers of the per-layer Spearman rho between I_X and I(T;Y),
-   of rho(R_X, Syn), and of the ARI between the two k-means labelings, at initialisation and at
-   the end of training;
-2. ``onnxdiag.prune_sweep_report(last, write=False)`` (``onnxdiag prune-sweep``): FLOPs-matched
-   structured pruning at the default fractions, normalised AUC of top-1 (eval.npz) per channel
-   score, without fine-tuning (this environment has no ONNX Runtime training extra), and onnxdiag's
-   best-local-axis minus best-target-axis AUC difference.
+1. ``onnxdiag.channels_report([ckpt_000, last], data=…, report=ReportTarget(write=False))``
+   (the API of ``onnxdiag channels``): the median over layers of the per-layer Spearman rho
+   between I_X and I(T;Y), of rho(R_X, Syn), and of the ARI between the two k-means
+   labelings, at initialisation and at the end of training;
+2. ``onnxdiag.prune_sweep_report(last, …, report=ReportTarget(write=False))`` (``onnxdiag
+   prune-sweep``): FLOPs-matched structured pruning at the default fractions, normalised AUC
+   of top-1 (eval.npz) per channel score, without fine-tuning (this environment has no ONNX
+   Runtime training extra), and onnxdiag's best-local-axis minus best-target-axis AUC
+   difference.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ SCORES = ("magnitude", "bn_scale", "random", "ix", "peer", "two_axis", "relevanc
 
 def main(argv=None) -> int:
     import onnxdiag
+    from onnxdiag import PruneSweepOptions, ReportTarget, Runtime
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--zoo", type=Path, default=Path("/work/zoo"))
@@ -50,8 +52,9 @@ def main(argv=None) -> int:
         ck = m["dir"] / "checkpoints"
         first, last = ck / m["checkpoints"][0]["path"], ck / m["checkpoints"][-1]["path"]
         t = time.time()
-        ch = onnxdiag.channels_report([str(first), str(last)], data=calib, write=False,
-                                      progress=False)
+        ch = onnxdiag.channels_report([str(first), str(last)], data=calib,
+                                      runtime=Runtime(progress=False),
+                                      report=ReportTarget(write=False))
         sec = ch.report["channels"]
         init, end = sec["trajectory"][0], sec["trajectory"][-1]
         rows.append([m["arch"], name, len(sec["layers"]), f"{m['checkpoints'][0]['test_acc']:.2f}",
@@ -65,7 +68,8 @@ def main(argv=None) -> int:
         t = time.time()
         ps = onnxdiag.prune_sweep_report(
             str(last), data=calib, eval_data=evl,
-            ratios=tuple(float(r) for r in a.ratios.split(",")), write=False, progress=False)
+            options=PruneSweepOptions(ratios=tuple(float(r) for r in a.ratios.split(","))),
+            runtime=Runtime(progress=False), report=ReportTarget(write=False))
         sw = ps.report["prune_sweep"]
         auc = sw["auc"]
         lvt = sw["local_vs_target"]["before"]

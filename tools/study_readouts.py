@@ -4,8 +4,8 @@
     python tools/study_readouts.py --zoo /work/zoo > readouts.md
 
 Per run (every checkpoint of a tools/train_zoo.py run, probe = the zoo's calib.npz, accuracy =
-its eval.npz) through ``onnxdiag.select_report(..., write=False)``, the API of ``onnxdiag
-select``:
+its eval.npz) through ``onnxdiag.select_report(..., report=ReportTarget(write=False))``, the
+API of ``onnxdiag select``:
 
 1. Spearman rho and Pearson r of every readout vs top-1 accuracy across the run's checkpoints;
 2. the selection gap (pp below the best checkpoint in the tail window, K = 5, and below the best
@@ -42,14 +42,16 @@ SHORT = {"head_grad_feature": "hg_feat", "head_grad": "hg_raw", "head_grad_head"
 
 def per_run(runs: dict, zoo: Path, window: int, jobs: int | None, targets: str) -> dict:
     import onnxdiag
+    from onnxdiag import ReportTarget, Runtime, SelectOptions
 
     out = {}
     for name, m in runs.items():
         t = time.time()
         res = onnxdiag.select_report(str(m["dir"] / "checkpoints" / "checkpoints.json"),
                                      data=str(zoo / "calib.npz"), eval_data=str(zoo / "eval.npz"),
-                                     window=window, jobs=jobs, targets=targets, write=False,
-                                     progress=False)
+                                     options=SelectOptions(window=window, targets=targets),
+                                     runtime=Runtime(jobs=jobs, progress=False),
+                                     report=ReportTarget(write=False))
         sec = res.report["selection"]
         # the accuracies onnxdiag measured through ONNX Runtime must be the manifest's (torch)
         for acc, rec in zip(sec["accuracy"], m["checkpoints"], strict=True):
@@ -106,6 +108,7 @@ def _gap(sel: dict) -> str:
 
 def screening(runs: dict, zoo: Path, jobs: int | None, targets: str) -> tuple[str, list[str]]:
     import onnxdiag
+    from onnxdiag import ReportTarget, Runtime, SelectOptions
 
     paths, labels = [], []
     for n, m in runs.items():
@@ -115,8 +118,10 @@ def screening(runs: dict, zoo: Path, jobs: int | None, targets: str) -> tuple[st
                 paths.append(str(p))
                 labels.append(f"{n}:{which}")
     res = onnxdiag.select_report(paths, data=str(zoo / "calib.npz"),
-                                 eval_data=str(zoo / "eval.npz"), jobs=jobs, targets=targets,
-                                 write=False, progress=False)
+                                 eval_data=str(zoo / "eval.npz"),
+                                 options=SelectOptions(targets=targets),
+                                 runtime=Runtime(jobs=jobs, progress=False),
+                                 report=ReportTarget(write=False))
     sec = res.report["selection"]
     if not sec.get("zoo"):
         raise SystemExit("select_report did not treat the screening set as a zoo")

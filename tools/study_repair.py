@@ -4,10 +4,11 @@
     python tools/study_repair.py --zoo /work/zoo > repair.md
 
 Per architecture (the last checkpoint of its ``cosine`` run, seed 0) through
-``onnxdiag.sweep_report(..., write=False)``, the API of ``onnxdiag sweep``: unstructured
-pruning over a sparsity grid with the five allocations global, uniform, erk, lamp, rr, repaired
-with CR+BN (and BN-only, which the CTS transition rule needs); top-1 on the zoo's eval.npz,
-label-free agreement with the dense model on calib.npz.  Prints the accuracy table, the band
+``onnxdiag.sweep_report(..., report=ReportTarget(write=False))``, the API of ``onnxdiag
+sweep``: unstructured pruning over a sparsity grid with the five allocations global,
+uniform, erk, lamp, rr, repaired with CR+BN (and BN-only, which the CTS transition rule
+needs); top-1 on the zoo's eval.npz, label-free agreement with the dense model on
+calib.npz.  Prints the accuracy table, the band
 where RR beats ERK and where it beats LAMP (and both), the label-free agreement band
 (Agr_CR+BN from 0.9 to 0.5) and the CTS-predicted band of each allocation.
 """
@@ -69,6 +70,7 @@ def cts_band(tr: dict) -> str:
 
 def main(argv=None) -> int:
     import onnxdiag
+    from onnxdiag import DataRequest, ReportTarget, Runtime, SweepOptions
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--zoo", type=Path, default=Path("/work/zoo"))
@@ -90,10 +92,11 @@ def main(argv=None) -> int:
     for name, m in runs.items():
         model = m["dir"] / "checkpoints" / m["checkpoints"][-1]["path"]
         t = time.time()
-        res = onnxdiag.sweep_report(str(model), sparsity=a.sparsity,
-                                    allocations=",".join(ALLOCS), repairs=a.repairs,
-                                    data=calib, eval_data=evl, limit=a.limit, write=False,
-                                    progress=False)
+        res = onnxdiag.sweep_report(
+            str(model), data=DataRequest(calib, limit=a.limit), eval_data=evl,
+            options=SweepOptions(sparsity=a.sparsity, allocations=",".join(ALLOCS),
+                                 repairs=a.repairs),
+            runtime=Runtime(progress=False), report=ReportTarget(write=False))
         sw = res.report["sweep"]
         grid = [float(s) for s in sw["grid"]]
         cell = {(c["sparsity"], c["allocation"], c["repair"]): c for c in sw["cells"]}
