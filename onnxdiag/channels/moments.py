@@ -16,7 +16,7 @@ import numpy as np
 from ..data.labels import check_batch_labels
 from ..evaluate import head_arrays
 from ..stats import Moments, draw_positions
-from .taps import InputTap
+from .taps import InputTap, token_rows
 
 
 def target_margin(U: np.ndarray, labels: np.ndarray | None) -> np.ndarray:
@@ -87,6 +87,7 @@ class ChannelStats:
     n_images: int
     data: dict = field(default_factory=dict)
     taps: dict = field(default_factory=dict)
+    kinds: dict = field(default_factory=dict)
 
 
 class BatchFolder:
@@ -122,7 +123,10 @@ class BatchFolder:
                 _fold_rows(acc.task, samples, both, samples.shape[0] // len(t), self.buffers)
                 acc.n_images += len(t)
             else:
-                _fold(acc, out[self.names[la.output]], t, t_null, batch.indices, positions,
+                x = out[self.names[la.output]]
+                if not la.op_type.startswith("Conv"):  # (…, C) rows: inputs × tokens
+                    x = token_rows(x, len(t))
+                _fold(acc, x, t, t_null, batch.indices, positions,
                       s.n_positions, s.seed, s.task_samples, self.buffers)
         return len(t)
 
@@ -141,8 +145,9 @@ def _fold(acc: LayerMoments, x: np.ndarray, t, t_null, indices, positions, n_pos
           task_samples, buffers: dict) -> None:
     """Fold one layer's batch output into its moments (the hot loop of the pass).
 
-    ``x`` is channels-last, ``(n, *spatial, C)``, so the sampled positions are whole rows
-    of ``x`` viewed as (n·HW, C): one ``take`` gathers them. ``positions`` caches the
+    ``x`` is channels-last, ``(n, *spatial, C)`` (a linear layer's ``(n, tokens, C)``),
+    so the sampled positions are whole rows of ``x`` viewed as (n·HW, C): one ``take``
+    gathers them. ``positions`` caches the
     batch's rows per spatial size (layers of one size share their draw).
     """
     n, c = x.shape[0], x.shape[-1]
