@@ -41,8 +41,9 @@ class StatsSettings:
 
     ``layers``: node names of the analysed layers (None: every conv and linear layer
     with ≥ 4 output channels, head excluded). ``n_positions``: positions sampled per
-    input (spatial positions, or tokens of a linear layer; all when there are fewer). ``task_samples``: "match" (T repeated per sampled position) or
-    "gap" (per-image spatial means for the target axis). ``targets``: "labels" (the
+    input (spatial positions, or tokens of a linear layer; all when there are fewer).
+    ``task_samples``: "match" (T repeated per sampled position) or "gap" (per-input
+    means over positions for the target axis). ``targets``: "labels" (the
     ground-truth logit margin), "pseudo" (the predicted class's; flagged in reports) or
     "auto" (labels when the data have them). ``seed``: the positions and the permutation
     control. ``tap``: where each layer's samples come from

@@ -25,7 +25,7 @@ from .shapes import literal_position, reshape_target, shape_value
 #: Ops between the head split and the join that act per head (tokens mixed, heads kept).
 _INSIDE = frozenset({"Transpose", "MatMul", "Mul", "Div", "Add", "Sub", "Softmax", "Cast",
                      "Where", "Dropout", "Identity", "Split", "Squeeze", "Unsqueeze", "Gather",
-                     "Slice", "Reshape", "Sqrt", "Max", "Min", "Expand"})
+                     "Slice", "Reshape", "Sqrt", "Max", "Min", "Expand", "Concat", "Neg"})
 _PASS = ("Identity", "Cast", "Dropout")
 _MAX_WALK = 120
 

@@ -50,14 +50,18 @@ class Norm:
 def find_norms(index: GraphIndex) -> dict[str, Norm]:
     """Every LayerNorm / RMSNorm of the graph, keyed by its normalised input tensor."""
     found: dict[str, Norm] = {}
+    claimed: set[str] = set()  # a LayerNorm's variance is not an RMSNorm of x − mean
     for node in index.nodes:
         norm = None
+        if node.name in claimed:
+            continue
         if node.op_type in _OPS and len(node.input) > 1:
             norm = _op_norm(node)
         elif node.op_type == "ReduceMean" and _reduces_last_axis(index, node):
             norm = _layernorm(index, node) or _rmsnorm_from_mean(index, node)
-        if norm is not None and norm.input not in found:
+        if norm is not None and norm.input not in found and not claimed & set(norm.nodes):
             found[norm.input] = norm
+            claimed |= set(norm.nodes)
     return found
 
 
@@ -126,8 +130,14 @@ def _is_one(index: GraphIndex, tensor: str) -> bool:
 
 
 def _affine(index: GraphIndex, tensor: str, *, beta: bool) -> tuple[list, list]:
-    """An optional Mul by γ then Add of β (per-channel constants) after ``tensor``."""
+    """An optional Mul by γ then Add of β (per-channel constants) after ``tensor`` (past
+    a Cast back to the model's type, as HF's RMSNorm writes)."""
     nodes, params = [], []
+    cast = _user(index, tensor, ("Cast",))
+    if cast is not None and len(index.consumers_of(tensor)) == 1 \
+            and _user(index, cast.output[0], ("Mul",)) is not None:
+        nodes.append(cast)
+        tensor = cast.output[0]
     for op in ("Mul", "Add") if beta else ("Mul",):
         user = _user(index, tensor, (op,))
         if user is None or len(index.consumers_of(tensor)) != 1:
