@@ -172,9 +172,10 @@ def _fold_rows(moments: Moments, samples: np.ndarray, targets: np.ndarray | None
 
     Everything is float64 around the running mean (the first row on the first batch):
     the samples are copied into a contiguous float64 buffer ``y`` and shifted in place,
-    the per-image columns ``e = [targets − centre | 1]`` are repeated per position, and
-    the Gram of ``[y | e]`` is assembled from ``yᵀy`` (one syrk, the bulk of the work),
-    ``yᵀe`` and ``eᵀe``; its ones column gives the sums around the centre, so
+    the per-image columns ``e = [targets − centre | 1]`` hold for each of the image's k
+    positions, and the Gram of ``[y | e]`` is assembled from ``yᵀy`` (one syrk, the bulk
+    of the work), ``yᵀe`` = (y summed over each image's positions)ᵀ e and ``eᵀe`` = k eᵀe
+    per image; its ones column gives the sums around the centre, so
     :meth:`Moments.update_sums` needs no second pass over the samples.
     """
     rows, c = samples.shape
@@ -195,11 +196,10 @@ def _fold_rows(moments: Moments, samples: np.ndarray, targets: np.ndarray | None
     per_image = np.ones((rows // k, n_t + 1))
     if targets is not None:
         np.subtract(targets, centre[c:], out=per_image[:, :n_t])
-    e = np.repeat(per_image, k, axis=0)
     gram = np.empty((d + 1, d + 1))
     gram[:c, :c] = y.T @ y
-    gram[:c, c:] = y.T @ e
+    gram[:c, c:] = y.reshape(rows // k, k, c).sum(axis=1).T @ per_image
     gram[c:, :c] = gram[:c, c:].T
-    gram[c:, c:] = e.T @ e
+    gram[c:, c:] = k * (per_image.T @ per_image)
     moments.update_sums(rows, centre, gram[d, :d], gram[:d, :d])
 
