@@ -258,9 +258,9 @@ def render_channels(section: dict) -> str:
             for la in section["layers"]]
     med = section["median"]
     lines = ["== Channels: two axes (docs/METHODS.md §B) ==",
-             f"{section['n_images']} inputs x {section['n_positions']} positions (spatial "
-             f"positions of a conv, tokens of a linear layer), targets={section['targets']}, "
-             f"task samples={section['task_samples']}",
+             f"{section['n_images']} inputs x up to {section['n_positions']} positions each "
+             f"(spatial positions of a conv, tokens of a linear layer), targets="
+             f"{section['targets']}, task samples={section['task_samples']}",
              f"analysed: {_kinds_text(section.get('kinds') or {})}",
              render_table(rows).rstrip(),
              "median over layers: spearman(I_X, I(T;Y)) = "
@@ -268,7 +268,7 @@ def render_channels(section: dict) -> str:
              f"{fmt_nan3(med.get('peer_overlap_vs_synergy'))}, ARI = {fmt_nan3(med.get('ari'))} "
              "(published, trained CIFAR-100 nets: ~0.01 and ARI ~0.02; ~0.7 at init)",
              "I_T>floor: channels whose task information exceeds the 95th percentile of the "
-             "permutation control (T shuffled across images)."]
+             "permutation control (T shuffled across inputs)."]
     if any(la.get("tap") == "input" for la in section["layers"]):
         lines.append("y from = input: the conv was evaluated in float64 at the sampled "
                      "positions from its input (far fewer values to copy out of ONNX "
