@@ -7,10 +7,15 @@ path, one batch of feeds, the head node the converter wrote, and an independent 
 onnxruntime.quantization.  Tiny on purpose (hidden 32, 2 layers, a few samples).
 
 - ``torch_resnet``: torchvision-style ResNet basic blocks → AdaptiveAvgPool → Linear "fc".
-- ``torch_vit``: timm-style ViT in plain torch (patch conv, cls token, 2 blocks) → "head".
+- ``torch_vit``: timm-style ViT in plain torch (patch conv, cls token, 2 blocks, fused
+  qkv) → "head"; ``torch_vit_opset14``: the same at opset 14, where torch writes
+  LayerNorm out (ReduceMean, Sub, Pow, Sqrt, Div, Mul, Add).
 - ``hf_bert``: ``BertForSequenceClassification`` from a config → "classifier".
 - ``hf_gpt2``: ``GPT2ForSequenceClassification`` (head "score" on every token, then the
-  last non-pad token picked).
+  last non-pad token picked; Conv1D as Gemm on N·T rows, fused c_attn cut by a Split,
+  GELU in its tanh form).
+- ``hf_llama``: ``LlamaForSequenceClassification`` (RMSNorm written out, SwiGLU MLP,
+  rotary embeddings; decoder-style head).
 - ``sklearn_mlp``: skl2onnx ``MLPClassifier`` on load_digits (ZipMap on).
 - ``tf_softmax_constants``: tf/jax style written with onnx.helper: weights in Constant
   nodes, MatMul + Add, the softmax written out (ReduceMax … Div).
@@ -60,12 +65,12 @@ def _torch():
     return torch
 
 
-def _export(torch, net, args, path: Path, input_names, dynamic) -> None:
+def _export(torch, net, args, path: Path, input_names, dynamic, opset: int = 17) -> None:
     buf = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(net, args, buf, dynamo=False, input_names=input_names,
-                          output_names=["logits"], dynamic_axes=dynamic, opset_version=17)
+                          output_names=["logits"], dynamic_axes=dynamic, opset_version=opset)
     path.write_bytes(buf.getvalue())
 
 
@@ -164,14 +169,19 @@ def _vit(torch, dim=32, depth=2, heads=2, classes=5, patch=4, size=16):
     return ViT().eval()
 
 
-def torch_vit(folder: Path) -> Export:
+def torch_vit(folder: Path, opset: int = 17) -> Export:
     torch = _torch()
     net = _vit(torch)
     x = torch.randn(BATCH, 3, 16, 16)
-    path = folder / "torch_vit.onnx"
-    _export(torch, net, (x,), path, ["x"], {"x": {0: "N"}, "logits": {0: "N"}})
+    name = "torch_vit" if opset == 17 else f"torch_vit_opset{opset}"
+    path = folder / f"{name}.onnx"
+    _export(torch, net, (x,), path, ["x"], {"x": {0: "N"}, "logits": {0: "N"}}, opset)
     z, u = _hooked(torch, net, net.head, (x,))
-    return Export("torch_vit", path, {"x": x.numpy()}, "/head/Gemm", "Gemm", "identity", z, u)
+    return Export(name, path, {"x": x.numpy()}, "/head/Gemm", "Gemm", "identity", z, u)
+
+
+def torch_vit_opset14(folder: Path) -> Export:
+    return torch_vit(folder, opset=14)
 
 
 # -- transformers -----------------------------------------------------------------------------
@@ -230,6 +240,19 @@ def hf_gpt2(folder: Path) -> Export:
     last = mask.sum(axis=1) - 1  # the last non-pad token (right padding)
     z = hidden[np.arange(BATCH), last]
     return Export("hf_gpt2", path, feeds, "/model/score/MatMul", "MatMul", "identity", z, u)
+
+
+def hf_llama(folder: Path) -> Export:
+    torch = _torch()
+    tf = pytest.importorskip("transformers")
+    config = tf.LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=2, intermediate_size=48,
+                            max_position_embeddings=32, num_labels=3, pad_token_id=0,
+                            use_cache=False, attn_implementation="eager")
+    model = tf.LlamaForSequenceClassification(config).eval()
+    path, feeds, hidden, u, mask = _hf_export(torch, "hf_llama", model, model.score, folder)
+    z = hidden[np.arange(BATCH), mask.sum(axis=1) - 1]  # the last non-pad token
+    return Export("hf_llama", path, feeds, "/model/score/MatMul", "MatMul", "identity", z, u)
 
 
 # -- skl2onnx, onnx.helper, quantization ------------------------------------------------------
@@ -337,8 +360,9 @@ def qdq_int8(folder: Path) -> Export:
                   notes={"float": source})
 
 
-BUILDERS = {"torch_resnet": torch_resnet, "torch_vit": torch_vit, "hf_bert": hf_bert,
-            "hf_gpt2": hf_gpt2, "sklearn_mlp": sklearn_mlp,
+BUILDERS = {"torch_resnet": torch_resnet, "torch_vit": torch_vit,
+            "torch_vit_opset14": torch_vit_opset14, "hf_bert": hf_bert, "hf_gpt2": hf_gpt2,
+            "hf_llama": hf_llama, "sklearn_mlp": sklearn_mlp,
             "tf_softmax_constants": tf_softmax_constants, "qdq_int8": qdq_int8}
 
 

@@ -1,5 +1,5 @@
-"""METHODS §B2-B5 channel scores: oracles on Gaussians with a known covariance, invariances, k-means,
-ARI, the permutation floor and the damage test."""
+"""METHODS §B2-B5 channel scores: oracles on Gaussians with a known covariance, invariances,
+k-means, ARI, the permutation floor and the damage test."""
 
 from __future__ import annotations
 

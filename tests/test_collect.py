@@ -203,14 +203,15 @@ def test_channel_section_summarises_each_layer(setup, tmp_path):
         assert min(row["most_substitutable_r2"]) >= max(row["least_substitutable_r2"])
 
 
-def test_channel_section_skips_models_without_convs():
+def test_channel_section_skips_models_without_analysable_layers():
+    """Only the head (no conv or linear layer with >= 4 channels besides it): skipped."""
     from onnxdiag.commands.channels import channel_section
 
-    model = model_io.load_model(corpus.mlp_head())
+    model = model_io.load_model(corpus.gemm_head())
     structure = analyze_structure(model)
     source = open_data(corpus.random_feeds(model, batch=4), model_io.get_input_specs(model))
     section, text = channel_section(model, source, structure, targets="expected")
-    assert section["layers"] == [] and "no conv layer" in section["skipped"]
+    assert section["layers"] == [] and "no conv or linear layer" in section["skipped"]
     assert "skipped" in text
 
 

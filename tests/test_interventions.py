@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import corpus
+import exports
 import numpy as np
 import onnx
 import pytest
@@ -256,3 +257,54 @@ def test_lesion_study_sample_is_seeded():
     assert MIN_DAMAGE == 1e-6
     with pytest.raises(OnnxDiagError, match="inspect"):
         lesion_study(model, structure, source, layers=["nope"])
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    export = exports.hf_bert(tmp_path_factory.mktemp("bert"))
+    return _load(export.path), export.feeds
+
+
+BERT_FC1 = "/model/bert/encoder/layer.0/intermediate/dense/MatMul"
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+def test_lesion_of_a_token_layer_equals_masked_reference(bert):
+    """A MatMul on (N, T, D) tokens with a separate bias Add (docs/METHODS.md §D): its
+    weight columns and bias entries zeroed equal the output features masked to 0 after
+    the bias Add, at every token."""
+    model, feeds = bert
+    layer = analyze_structure(model).get_layer(BERT_FC1)
+    assert layer.weight_layout == "io" and layer.bias_node
+    post = next(n.output[0] for n in model.graph.node if n.name == layer.bias_node)
+    out = lesion_channels(model, layer, [3, 7])
+    got = corpus.run_ort(out, feeds, [post])
+    assert np.all(got[post][..., [3, 7]] == 0)
+    ref = corpus.run_ort(_masked(model, post, [3, 7], layer.n_out, True), feeds)
+    np.testing.assert_allclose(got["logits"], ref["logits"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+def test_substituting_a_token_feature_by_its_duplicate_recovers_the_output(bert):
+    """Feature 5 of a token layer made 2 × feature 1: the inserted MatMul over the peer
+    features reproduces the model at every token."""
+    model, feeds = bert
+    layer = analyze_structure(model).get_layer(BERT_FC1)
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    for t in m.graph.initializer:
+        if t.name == layer.weight:
+            w = numpy_helper.to_array(t).copy()
+            w[:, 5] = 2 * w[:, 1]
+            t.CopyFrom(numpy_helper.from_array(w, t.name))
+    layer = analyze_structure(m).get_layer(BERT_FC1)
+    orig = corpus.run_ort(m, feeds, [layer.output])
+    y = orig[layer.output].reshape(-1, layer.n_out).T.astype(np.float64)
+    peers, beta, a = peer_regression(np.cov(y), y.mean(axis=1), 5, k=3, ridge=0.0)
+    assert peers[0] == 1
+    out = substitute_channel(m, layer, 5, peers, beta, a)
+    got = corpus.run_ort(out, feeds, [layer.output])
+    np.testing.assert_allclose(got["logits"], orig["logits"], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(got[layer.output], orig[layer.output], rtol=0, atol=1e-5)
+    lesioned = corpus.run_ort(lesion_channels(m, layer, [5]), feeds)["logits"]
+    assert np.max(np.abs(lesioned - orig["logits"])) > 1e-6

@@ -110,8 +110,8 @@ def test_analyze_html_has_a_plot_for_every_section_it_computes(reports):
     assert computed == {"readouts", "channels", "repairability"}
     assert report["repairability"]["transition"]["cells"]
     titles = [t for t, _ in _images((reports["analyze"] / "report.html").read_text())]
-    assert titles == ["Readouts", "Channel axes per layer", "Relative repairability per layer",
-                      "Label-free transition scan"]
+    assert titles == ["Readouts", "Channel axes: I_X vs I(T;Y)",
+                      "Relative repairability per layer", "Label-free transition scan"]
     for _, b64 in _images((reports["analyze"] / "report.html").read_text()):
         png = base64.b64decode(b64)
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000  # a drawn figure

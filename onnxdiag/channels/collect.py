@@ -1,13 +1,14 @@
 """One streaming pass that collects the channel statistics of ``docs/METHODS.md §B1``.
 
-For every analysed conv (≥ 4 output channels, head excluded) the pre-BN output
-is sampled at 16 seeded spatial positions per image and folded into float64 moments
-together with the per-image target T (the logit margin, §B3) and a permutation
-control (T shuffled across the images of each batch, seeded). Memory is O(C²) per
-layer, independent of the number of images.
+For every analysed layer (a conv or a linear layer, Gemm / MatMul, with ≥ 4 output
+channels, head excluded) the pre-normalisation output is sampled at 16 seeded
+positions per input (spatial positions of a conv; tokens of a linear layer, §D) and
+folded into float64 moments together with the per-input target T (the logit margin,
+§B3) and a permutation control (T shuffled across the inputs of each batch, seeded).
+Memory is O(C²) per layer, independent of the number of inputs.
 
-Each layer's samples come from its conv output, exposed channels-last so that a
-sampled position is one contiguous row, or from its input
+Each layer's samples come from its output, exposed channels-last so that a sampled
+position is one contiguous row (a linear layer's output already is), or from its input
 (:mod:`onnxdiag.channels.taps`); the accumulators and the per-batch fold are in
 :mod:`onnxdiag.channels.moments`. :func:`collect_channel_moments_sharded` is the same
 pass on an executor, shard by shard (:mod:`onnxdiag.channels.shards`).
@@ -30,16 +31,19 @@ from .taps import InputTap, choose_taps, tap_names
 
 TASK_SAMPLES = ("match", "gap")
 MIN_CHANNELS = 4
+#: Layer kinds the pass analyses by default: op type → kind (docs/METHODS.md §B1, §D).
+ANALYSED_KINDS = {"Conv": "conv", "Gemm": "linear", "MatMul": "linear"}
 
 
 @dataclass(frozen=True)
 class StatsSettings:
     """What a statistics pass measures (``docs/METHODS.md §B1``, §B3).
 
-    ``layers``: node names of the analysed convs (None: every conv with ≥ 4 output
-    channels, head excluded). ``n_positions``: spatial positions sampled per image (all
-    when H·W is smaller). ``task_samples``: "match" (T repeated per sampled position) or
-    "gap" (per-image spatial means for the target axis). ``targets``: "labels" (the
+    ``layers``: node names of the analysed layers (None: every conv and linear layer
+    with ≥ 4 output channels, head excluded). ``n_positions``: positions sampled per
+    input (spatial positions, or tokens of a linear layer; all when there are fewer).
+    ``task_samples``: "match" (T repeated per sampled position) or "gap" (per-input
+    means over positions for the target axis). ``targets``: "labels" (the
     ground-truth logit margin), "pseudo" (the predicted class's; flagged in reports) or
     "auto" (labels when the data have them). ``seed``: the positions and the permutation
     control. ``tap``: where each layer's samples come from
@@ -65,8 +69,9 @@ class StatsSettings:
 
 
 def find_analysed_layers(structure, layers=None) -> list:
-    """Convs with ≥ 4 output channels, head excluded (§B1); or the named ones (raises
-    OnnxDiagError for a name that is not a layer of ``structure``)."""
+    """Convs and linear layers (Gemm / MatMul) with ≥ 4 output channels, head excluded
+    (§B1, §D); or the named ones (raises OnnxDiagError for a name that is not a layer of
+    ``structure``)."""
     if layers:
         names = [la.node_name for la in structure.layers]
         for name in layers:
@@ -76,7 +81,13 @@ def find_analysed_layers(structure, layers=None) -> list:
                                     "inspect MODEL` lists the layers.")
         return [structure.get_layer(name) for name in layers]
     return [la for la in structure.layers
-            if la.op_type == "Conv" and la.n_out >= MIN_CHANNELS and not la.is_head]
+            if la.op_type in ANALYSED_KINDS and la.n_out >= MIN_CHANNELS and not la.is_head]
+
+
+def analysed_kinds(layers) -> dict[str, int]:
+    """{"conv": n, "linear": m} of analysed layers (for reports)."""
+    kinds = [ANALYSED_KINDS.get(la.op_type, la.op_type) for la in layers]
+    return {kind: kinds.count(kind) for kind in dict.fromkeys(kinds)}
 
 
 def check_task_samples(task_samples: str) -> None:
@@ -95,8 +106,9 @@ def check_settings(settings: StatsSettings, source, structure) -> tuple[str, lis
                             "'expected' applies to readouts only.")
     chosen = find_analysed_layers(structure, settings.layers)
     if not chosen:
-        raise OnnxDiagError("No conv layer with at least 4 output channels to analyse; "
-                            "`onnxdiag inspect MODEL` lists the layers.")
+        raise OnnxDiagError("No conv or linear layer with at least 4 output channels to "
+                            "analyse (the head excluded); `onnxdiag inspect MODEL` lists "
+                            "the layers.")
     return targets, chosen
 
 
@@ -130,7 +142,8 @@ def collect_channel_moments(model, structure, source, settings: StatsSettings | 
     n_images = _fold_stream(runner.stream(source, fetch, label=label), folder.fold, overlap)
     return ChannelStats(layers=folder.acc, targets=targets, task_samples=settings.task_samples,
                         n_positions=settings.n_positions, seed=settings.seed,
-                        n_images=n_images, data=source.describe(), taps=tap_names(taps))
+                        n_images=n_images, data=source.describe(), taps=tap_names(taps),
+                        kinds=analysed_kinds(chosen))
 
 
 def _fold_stream(stream, fold, overlap: bool) -> int:
@@ -160,16 +173,20 @@ def _stats_model(model, chosen, head, taps: dict) -> tuple:
 
     Each analysed conv's output, or for an input tap its input, is exposed channels-last
     (sampled positions are then contiguous C-vectors; on CPU the Transpose rides on the
-    layout reorder ONNX Runtime does for any exposed conv tensor); the head's features
-    and logits as they are.
+    layout reorder ONNX Runtime does for any exposed conv tensor); a linear layer's
+    tensors (channels last already), the head's features and logits as they are.
     """
-    tensors = {}
+    tensors, linear = {}, []
     for la in chosen:
         tensor = la.input if isinstance(taps[la.node_name], InputTap) else la.output
-        tensors[tensor] = len(la.kernel) + 2
+        if la.op_type.startswith("Conv"):
+            tensors[tensor] = len(la.kernel) + 2
+        else:
+            linear.append(tensor)
     exposed, last = expose_channels_last(
-        expose_tensors(model, [head.features, head.logits]), tensors,
+        expose_tensors(model, [head.features, head.logits, *linear]), tensors,
         tag="stats_channels_last")
+    last.update({t: t for t in linear if t not in last})
     fetch = list(dict.fromkeys([head.features, head.logits, *last.values()]))
     return exposed, last, fetch
 
@@ -250,7 +267,7 @@ def collect_channel_moments_sharded(model, structure, data, settings: StatsSetti
                         n_images=sum(r.n_images for r in results.values()),
                         data={**source.describe(), "shards": len(items),
                               "shard_data": shards.shard_data_note(shared)},
-                        taps=results[0].taps)
+                        taps=results[0].taps, kinds=analysed_kinds(chosen))
 
 
 def _shard_unit(item, model_bytes: bytes, shared, job) -> ChannelStats:

@@ -16,8 +16,7 @@ def score_collected(model, stats, structure, *, k_peers=10, ridge=1e-3, null_qua
     results = {}
     for name, lm in stats.layers.items():
         layer = structure.get_layer(name)
-        w = index.get_constant(layer.weight)
-        weight = None if w is None else np.asarray(w, np.float64).reshape(w.shape[0], -1)
+        weight = output_rows(layer, index.get_constant(layer.weight))
         mean_l, cov_l = lm.local_moments()
         cov_yy, cov_yt, var_t = lm.target_moments()
         params = dict(layer=name, weight=weight, n_images=lm.n_images, k_peers=k_peers,
@@ -33,3 +32,14 @@ def score_collected(model, stats, structure, *, k_peers=10, ridge=1e-3, null_qua
                                   quantile=null_quantile)
         results[name] = (layer, scores, floor)
     return results
+
+
+def output_rows(layer, w) -> np.ndarray | None:
+    """The weight as one row per output channel (a conv's flattened filter; a MatMul's
+    or Gemm transB=0's column), float64; None when it is not a constant."""
+    if w is None:
+        return None
+    w = np.asarray(w, np.float64)
+    if layer.weight_layout == "io":
+        return w.T.copy()
+    return w.reshape(w.shape[0], -1)

@@ -16,7 +16,7 @@ import numpy as np
 from ..data.labels import check_batch_labels
 from ..evaluate import head_arrays
 from ..stats import Moments, draw_positions
-from .taps import InputTap
+from .taps import InputTap, token_rows
 
 
 def target_margin(U: np.ndarray, labels: np.ndarray | None) -> np.ndarray:
@@ -87,6 +87,7 @@ class ChannelStats:
     n_images: int
     data: dict = field(default_factory=dict)
     taps: dict = field(default_factory=dict)
+    kinds: dict = field(default_factory=dict)
 
 
 class BatchFolder:
@@ -122,7 +123,10 @@ class BatchFolder:
                 _fold_rows(acc.task, samples, both, samples.shape[0] // len(t), self.buffers)
                 acc.n_images += len(t)
             else:
-                _fold(acc, out[self.names[la.output]], t, t_null, batch.indices, positions,
+                x = out[self.names[la.output]]
+                if not la.op_type.startswith("Conv"):  # (…, C) rows: inputs × tokens
+                    x = token_rows(x, len(t))
+                _fold(acc, x, t, t_null, batch.indices, positions,
                       s.n_positions, s.seed, s.task_samples, self.buffers)
         return len(t)
 
@@ -141,8 +145,9 @@ def _fold(acc: LayerMoments, x: np.ndarray, t, t_null, indices, positions, n_pos
           task_samples, buffers: dict) -> None:
     """Fold one layer's batch output into its moments (the hot loop of the pass).
 
-    ``x`` is channels-last, ``(n, *spatial, C)``, so the sampled positions are whole rows
-    of ``x`` viewed as (n·HW, C): one ``take`` gathers them. ``positions`` caches the
+    ``x`` is channels-last, ``(n, *spatial, C)`` (a linear layer's ``(n, tokens, C)``),
+    so the sampled positions are whole rows of ``x`` viewed as (n·HW, C): one ``take``
+    gathers them. ``positions`` caches the
     batch's rows per spatial size (layers of one size share their draw).
     """
     n, c = x.shape[0], x.shape[-1]
@@ -167,9 +172,10 @@ def _fold_rows(moments: Moments, samples: np.ndarray, targets: np.ndarray | None
 
     Everything is float64 around the running mean (the first row on the first batch):
     the samples are copied into a contiguous float64 buffer ``y`` and shifted in place,
-    the per-image columns ``e = [targets − centre | 1]`` are repeated per position, and
-    the Gram of ``[y | e]`` is assembled from ``yᵀy`` (one syrk, the bulk of the work),
-    ``yᵀe`` and ``eᵀe``; its ones column gives the sums around the centre, so
+    the per-image columns ``e = [targets − centre | 1]`` hold for each of the image's k
+    positions, and the Gram of ``[y | e]`` is assembled from ``yᵀy`` (one syrk, the bulk
+    of the work), ``yᵀe`` = (y summed over each image's positions)ᵀ e and ``eᵀe`` = k eᵀe
+    per image; its ones column gives the sums around the centre, so
     :meth:`Moments.update_sums` needs no second pass over the samples.
     """
     rows, c = samples.shape
@@ -190,11 +196,10 @@ def _fold_rows(moments: Moments, samples: np.ndarray, targets: np.ndarray | None
     per_image = np.ones((rows // k, n_t + 1))
     if targets is not None:
         np.subtract(targets, centre[c:], out=per_image[:, :n_t])
-    e = np.repeat(per_image, k, axis=0)
     gram = np.empty((d + 1, d + 1))
     gram[:c, :c] = y.T @ y
-    gram[:c, c:] = y.T @ e
+    gram[:c, c:] = y.reshape(rows // k, k, c).sum(axis=1).T @ per_image
     gram[c:, :c] = gram[:c, c:].T
-    gram[c:, c:] = e.T @ e
+    gram[c:, c:] = k * (per_image.T @ per_image)
     moments.update_sums(rows, centre, gram[d, :d], gram[:d, :d])
 

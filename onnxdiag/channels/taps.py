@@ -1,11 +1,13 @@
-"""Where a statistics pass takes each layer's samples from: the conv's output or its input.
+"""Where a statistics pass takes each layer's samples from: the layer's output or its input.
 
 Exposing a tensor costs the pass a copy out of ONNX Runtime's blocked layout, and
 exposing a conv's output keeps its BatchNormalization from being fused; both costs
 scale with the values exposed. Where a conv's input is far smaller than its output (a
 first conv on a grey or RGB image) the pass exposes the input instead and evaluates the
 conv in float64 at the sampled positions only (:class:`InputTap`), giving the same
-samples (``docs/METHODS.md §B1``) to float32 rounding.
+samples (``docs/METHODS.md §B1``) to float32 rounding.  A linear layer (Gemm / MatMul,
+``docs/METHODS.md §D``) is tapped the same way at its sampled tokens
+(:class:`LinearInputTap`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,38 @@ class InputTap:
         return y
 
 
+@dataclass(frozen=True)
+class LinearInputTap(InputTap):
+    """A Gemm / MatMul evaluated in float64 at the sampled tokens of its input:
+    y = x W + b, ``matrix`` (n_in, n_out) with Gemm's alpha, ``bias`` its own C input
+    times beta (a separate bias Add is left out, as in ``Layer.output``)."""
+
+    def samples(self, x_last: np.ndarray, indices, n_positions: int, seed: int) -> np.ndarray:
+        """Rows (n·k, C_out) at the tokens :func:`draw_positions` gives each input."""
+        from ..stats import draw_positions
+
+        n = len(indices)
+        x = token_rows(x_last, n, "input")
+        pos = draw_positions(x.shape[1], n_positions, seed=seed, sample_indices=indices)
+        rows = x[np.arange(n)[:, None], pos].reshape(-1, x.shape[2]).astype(np.float64)
+        y = rows @ self.matrix
+        if self.bias is not None:
+            y += self.bias
+        return y
+
+
+def token_rows(x: np.ndarray, n: int, what: str = "output") -> np.ndarray:
+    """A linear layer's (…, C) tensor for ``n`` inputs as (n, positions, C): its leading
+    axes are the inputs × their tokens (GPT-2's Gemm runs on N·T rows)."""
+    c = x.shape[-1]
+    rows = int(np.prod(x.shape[:-1]))
+    if n == 0 or rows % n:
+        raise OnnxDiagError(f"A linear layer's {what} has {rows} rows for a batch of {n} "
+                            "inputs, so its rows cannot be assigned to inputs; analyse "
+                            "other layers (--layer NODE).")
+    return x.reshape(n, rows // n, c)
+
+
 def choose_taps(model, chosen, tap: str = "auto", task_samples: str = "match",
                 n_positions: int = 16) -> dict:
     """Per analysed layer: "output" or an :class:`InputTap`.
@@ -55,8 +89,8 @@ def choose_taps(model, chosen, tap: str = "auto", task_samples: str = "match",
     quarter as many values per image as its output and the float64 work at the sampled
     positions (k·C_in/groups·Πkernel·C_out multiply-adds) is at most one pass over the
     output: typically a first conv on a 1- or 3-channel image (never when the shapes are
-    not static). Input taps need a 1-D or 2-D conv with constant weights and
-    ``task_samples="match"`` ("gap" needs every output position).
+    not static). Input taps need a 1-D or 2-D conv with constant weights or a linear
+    layer, and ``task_samples="match"`` ("gap" needs every output position).
     """
     if tap not in TAPS:
         raise OnnxDiagError(f"tap must be one of {', '.join(TAPS)}; got {tap!r}.")
@@ -77,7 +111,12 @@ def choose_taps(model, chosen, tap: str = "auto", task_samples: str = "match",
             from ..graph import GraphIndex
 
             index = GraphIndex(model)
-        taps[la.node_name] = _input_tap(index, la)
+        try:
+            taps[la.node_name] = _input_tap(index, la)
+        except OnnxDiagError:
+            if tap == "input":
+                raise
+            taps[la.node_name] = "output"
     return taps
 
 
@@ -89,8 +128,10 @@ def tap_names(taps: dict) -> dict[str, str]:
 def _input_tap_obstacle(la, task_samples: str) -> str | None:
     if task_samples != "match":
         return "--task-samples gap"
+    if la.op_type in ("Gemm", "MatMul"):
+        return "Gemm with transA=1" if "transA=1" in la.note else None
     if la.op_type != "Conv" or len(la.kernel) not in (1, 2):
-        return "only 1-D and 2-D convs"
+        return "only 1-D and 2-D convs and linear layers"
     if la.weight_initializer is None:
         return "its weights are computed, not constant"
     return None
@@ -101,7 +142,8 @@ def _input_is_cheaper(la, n_positions: int) -> bool:
             isinstance(d, int) for d in (*la.input_shape[1:], *la.output_shape[1:])):
         return False  # unknown sizes: keep the output
     in_values = int(np.prod(la.input_shape[1:]))
-    out_spatial = int(np.prod(la.output_shape[2:]))
+    linear = la.op_type in ("Gemm", "MatMul")
+    out_spatial = int(np.prod(la.output_shape[1:-1] if linear else la.output_shape[2:]))
     out_values = la.n_out * out_spatial
     macs = min(n_positions, out_spatial) * (la.n_in // la.groups) * int(np.prod(la.kernel)) \
         * la.n_out
@@ -109,6 +151,15 @@ def _input_is_cheaper(la, n_positions: int) -> bool:
 
 
 def _input_tap(index, la) -> InputTap:
+    if la.op_type in ("Gemm", "MatMul"):
+        from ..graph.linear import linear_weight
+
+        found = linear_weight(index, index.get_node(la.node_name))
+        if isinstance(found, str):
+            raise OnnxDiagError(f"Layer {la.node_name!r} cannot be tapped at its input "
+                                f"({found}); use tap 'auto' or 'output'.")
+        w, b = found
+        return LinearInputTap(None, (), np.ascontiguousarray(w.T), b if b.any() else None)
     from ..sparsity.offline import layer_op, weight_matrix
 
     op = layer_op(index, la)

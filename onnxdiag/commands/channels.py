@@ -31,12 +31,13 @@ class ChannelsOptions:
     """The ``channels`` verb's own options (``docs/METHODS.md §B1``–§B4).
 
     ``targets``: "labels", "pseudo" or "auto" (labels when the data have them).
-    ``task_samples``: "match" (T per sampled position) or "gap" (per-image spatial
-    means). ``n_positions``: spatial positions per image. ``k_peers`` / ``ridge``: the
-    peer reconstruction R². ``layers``: only these convs (None: every conv with ≥ 4
-    channels). ``tap``: where each layer's samples come from ("auto", "output",
-    "input"; :func:`onnxdiag.channels.taps.choose_taps`). ``seed``: the spatial
-    positions, the permutation control and the k-means.
+    ``task_samples``: "match" (T per sampled position) or "gap" (per-input means over
+    positions). ``n_positions``: positions per input (spatial positions of a conv,
+    tokens of a linear layer: ``docs/METHODS.md §D``). ``k_peers`` / ``ridge``: the
+    peer reconstruction R². ``layers``: only these layers (None: every conv and linear
+    layer with ≥ 4 channels, head excluded). ``tap``: where each layer's samples come
+    from ("auto", "output", "input"; :func:`onnxdiag.channels.taps.choose_taps`).
+    ``seed``: the positions, the permutation control and the k-means.
     """
 
     targets: str = "auto"
@@ -129,6 +130,7 @@ def _model_channels(path, request: DataRequest, options: ChannelsOptions, head: 
     label = "Channel statistics" if runtime.progress else None
     if ex.in_process:  # one streaming pass here, as without an executor
         source = request.open(get_input_specs(model), classes=structure.head.n_classes)
+        structure = at_data_shapes(model, structure, source, runtime.providers)
         stats = collect_channel_moments(model, structure, source,
                                         options.settings(), providers=runtime.providers,
                                         label=label)
@@ -138,6 +140,16 @@ def _model_channels(path, request: DataRequest, options: ChannelsOptions, head: 
                                                 label=label)
     scored, summary = _score(model, stats, structure, options)
     return _ModelChannels(path, stats, scored, summary, model_hash(model))
+
+
+def at_data_shapes(model, structure, source, providers=None):
+    """``structure`` with the layer shapes and FLOPs at the first batch of ``source``
+    where shape inference left dimensions open (tokens: ``docs/METHODS.md §D``)."""
+    from ..graph.structure import at_batch_shapes
+
+    first = next(iter(source.batches()), None)
+    return structure if first is None else at_batch_shapes(model, structure, first.feeds,
+                                                           providers=providers)
 
 
 def _score(model, stats, structure, options) -> tuple[dict, dict]:
@@ -160,8 +172,8 @@ def _section(per_model: list[_ModelChannels]) -> dict:
             "targets_flag": "pseudo-labels (predicted class), not ground truth"
             if stats.targets == "pseudo" else "",
             "task_samples": stats.task_samples, "n_positions": stats.n_positions,
-            "n_images": stats.n_images, "median": last.summary["median"], "layers": layers,
-            "trajectory": trajectory}
+            "n_images": stats.n_images, "kinds": dict(stats.kinds),
+            "median": last.summary["median"], "layers": layers, "trajectory": trajectory}
 
 
 def _layer_row(row: dict, layer, scores, floor, taps: dict) -> dict:
@@ -170,7 +182,8 @@ def _layer_row(row: dict, layer, scores, floor, taps: dict) -> dict:
     order = np.argsort(-r2, kind="stable")
     info = scores.scores.get("task_info")
     return {
-        **row, "bn_folded": bool(layer.bn_folded), "tap": taps.get(row["layer"], "output"),
+        **row, "op_type": layer.op_type, "normalization": layer.normalization,
+        "bn_folded": bool(layer.bn_folded), "tap": taps.get(row["layer"], "output"),
         "note": ("BN folded into the conv: y is post-BN; input_capture and signal_power "
                  "are scale-dependent, the rho-based scores are unchanged")
         if layer.bn_folded else "",
@@ -190,14 +203,16 @@ def channel_section(model, source, structure, options: ChannelsOptions | None = 
     One statistics pass over ``source`` (a DataSource, e.g. the probe batch), the scores
     and the §B4 structure per layer; the summary per layer is the axis correlations, the
     ARI, the noise floor count and the most / least substitutable channels (by peer R²,
-    with their R² values). Per-channel tables are left to ``onnxdiag channels``.
+    with their R² values), and the two axes per channel (``axes``: ``input_capture``,
+    ``task_info``, for the report's scatter plot); the other per-channel scores are left
+    to ``onnxdiag channels``.
     ``options``: a :class:`ChannelsOptions`, or its fields as keywords (``targets=…,
     seed=…``; given fields replace those of ``options``). ``model`` is a loaded
     ModelProto (never modified) and ``structure`` its
     :func:`onnxdiag.graph.analyze_structure`. ``targets="expected"`` (a readout-only
-    choice) is treated as ``auto``. A model without an analysable conv (≥ 4 channels,
-    not the head) gives ``{"skipped": reason, "layers": []}`` instead of an error, so
-    ``analyze`` can always call it.
+    choice) is treated as ``auto``. A model without an analysable conv or linear layer
+    (≥ 4 channels, not the head) gives ``{"skipped": reason, "layers": []}`` instead of
+    an error, so ``analyze`` can always call it.
     """
     from ..channels.collect import collect_channel_moments, find_analysed_layers
 
@@ -205,7 +220,7 @@ def channel_section(model, source, structure, options: ChannelsOptions | None = 
     if options.targets == "expected":
         options = dataclasses.replace(options, targets="auto")
     if options.layers is None and not find_analysed_layers(structure):
-        reason = "no conv layer with at least 4 output channels (head excluded)"
+        reason = "no conv or linear layer with at least 4 output channels (head excluded)"
         return ({"skipped": reason, "layers": []},
                 f"== Channels: two axes (docs/METHODS.md §B) ==\nskipped: {reason}.\n")
     stats = collect_channel_moments(model, structure, source, options.settings(),
@@ -213,7 +228,10 @@ def channel_section(model, source, structure, options: ChannelsOptions | None = 
     scored, summary = _score(model, stats, structure, options)
     section = _section([_ModelChannels(model_name, stats, scored, summary)])
     for row in section["layers"]:
-        r2 = row.pop("scores")["scores"]["peer_r2"]
+        scores = row.pop("scores")["scores"]
+        r2 = scores["peer_r2"]
+        row["axes"] = {k: None if scores.get(k) is None else [float(v) for v in scores[k]]
+                       for k in ("input_capture", "task_info")}
         row["most_substitutable_r2"] = [float(r2[i]) for i in row["most_substitutable"]]
         row["least_substitutable_r2"] = [float(r2[i]) for i in row["least_substitutable"]]
     section["params"] = {k: getattr(options, k) for k in
@@ -235,20 +253,22 @@ def render_channels(section: dict) -> str:
              "I_T>floor": la["n_above_floor"],
              "most subst.": ",".join(map(str, la["most_substitutable"])),
              "least subst.": ",".join(map(str, la["least_substitutable"])),
-             "BN": "folded" if la["bn_folded"] else "",
+             "norm": _norm_cell(la),
              "y from": "input" if la.get("tap") == "input" else ""}
             for la in section["layers"]]
     med = section["median"]
     lines = ["== Channels: two axes (docs/METHODS.md §B) ==",
-             f"{section['n_images']} images x {section['n_positions']} positions, targets="
+             f"{section['n_images']} inputs x up to {section['n_positions']} positions each "
+             f"(spatial positions of a conv, tokens of a linear layer), targets="
              f"{section['targets']}, task samples={section['task_samples']}",
+             f"analysed: {_kinds_text(section.get('kinds') or {})}",
              render_table(rows).rstrip(),
              "median over layers: spearman(I_X, I(T;Y)) = "
              f"{fmt_nan3(med.get('input_capture_vs_task_info'))}, spearman(R_X, Syn) = "
              f"{fmt_nan3(med.get('peer_overlap_vs_synergy'))}, ARI = {fmt_nan3(med.get('ari'))} "
              "(published, trained CIFAR-100 nets: ~0.01 and ARI ~0.02; ~0.7 at init)",
              "I_T>floor: channels whose task information exceeds the 95th percentile of the "
-             "permutation control (T shuffled across images)."]
+             "permutation control (T shuffled across inputs)."]
     if any(la.get("tap") == "input" for la in section["layers"]):
         lines.append("y from = input: the conv was evaluated in float64 at the sampled "
                      "positions from its input (far fewer values to copy out of ONNX "
@@ -262,6 +282,19 @@ def render_channels(section: dict) -> str:
                 for t in section["trajectory"]]
         lines.append(render_table(traj, title="trajectory (medians over layers)").rstrip())
     return "\n".join(lines) + "\n"
+
+
+def _norm_cell(la: dict) -> str:
+    if la.get("bn_folded"):
+        return "BN folded"
+    return {"batchnorm": "BN", "layernorm": "LN", "rmsnorm": "RMS"}.get(
+        la.get("normalization") or "", "")
+
+
+def _kinds_text(kinds: dict) -> str:
+    names = {"conv": "conv layer(s) (Conv)", "linear": "linear layer(s) (Gemm/MatMul; "
+             "positions are tokens, or one per input)"}
+    return ", ".join(f"{n} {names.get(k, k)}" for k, n in kinds.items()) or "none"
 
 
 def fmt_nan3(x) -> str:

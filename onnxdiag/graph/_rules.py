@@ -11,8 +11,10 @@ import math
 import onnx
 
 from ._spaces import Segment, Space, Tracker
+from ._token_rules import constant_origin, embedding_source, gather, reshape_channels_last
 from .index import get_attr
 from .ops import CHANNEL_PRESERVING, ELEMENTWISE, PER_CHANNEL_PARAMS, REDUCTIONS, SHAPE_ONLY
+from .shapes import reshape_target
 
 _RESIDUAL_OPS = frozenset({"Add", "Sub", "Sum", "Mean", "Max", "Min"})
 
@@ -20,6 +22,11 @@ _RESIDUAL_OPS = frozenset({"Add", "Sub", "Sum", "Mean", "Max", "Min"})
 def visit(t: Tracker, node: onnx.NodeProto) -> None:
     """Propagate channel spaces through a non-layer node."""
     ins = [t.spaces.get(name) if name else None for name in node.input]
+    if not any(ins) and node.op_type == "Gather" and node.domain in ("", "ai.onnx"):
+        source = embedding_source(t, node)
+        if source is not None:
+            t.spaces[node.output[0]] = source
+        return
     if not any(ins) or node.op_type in SHAPE_ONLY:
         return
     op = node.op_type
@@ -67,14 +74,17 @@ def _operand_issue(t: Tracker, node, i: int, space: Space, out_rank: int) -> str
     reason it ties channels to something that cannot be pruned.
     """
     value = t.index.get_constant(node.input[i])
-    shape = value.shape if value is not None else t.index.shape(node.input[i])
+    origin = None if value is not None else constant_origin(t, node.input[i])
+    shape = value.shape if value is not None else origin[2].shape if origin is not None \
+        else t.index.shape(node.input[i])
     if shape is None or not all(isinstance(d, int) for d in shape):
         return f"{node.op_type} {node.name!r} has operand {node.input[i]!r} of unknown shape"
     k = space.axis + out_rank - space.rank - (out_rank - len(shape))
     if k < 0 or shape[k] == 1:
         return None
-    if value is not None and shape[k] == space.n_channels and space.block == 1:
-        t.add_param(space, node, i, k)
+    if (value is not None or origin is not None) and shape[k] == space.n_channels \
+            and space.block == 1:  # a per-channel constant (or one broadcast: a class token)
+        t.add_param(space, *((node, i) if origin is None else origin[:2]), k)
         return None
     what = "constant" if value is not None else "tensor no layer produces"
     return f"{node.op_type} {node.name!r} applies a {what} {node.input[i]!r} across channels"
@@ -165,7 +175,18 @@ def _flatten(t: Tracker, node, ins) -> Space | None:
 
 def _reshape(t: Tracker, node, ins) -> Space | None:
     space = t.only_first(node, ins)
-    src, dst = t.index.shape(node.input[0]), t.index.shape(node.output[0])
+    out = _reshape_axis1(t, node, space)
+    if out is not None:
+        return out
+    if space.axis == space.rank - 1 and space.rank >= 2:
+        return reshape_channels_last(t, node, space)
+    t.unknown(node, ins, "reshapes across the channel axis")
+    return None
+
+
+def _reshape_axis1(t: Tracker, node, space: Space) -> Space | None:
+    """(N, C, …) reshapes that keep the channels on axis 1 or flatten them to blocks."""
+    src, dst = t.index.shape(node.input[0]), _dst_shape(t, node)
     ok = (src is not None and dst is not None and space.axis == 1 and space.block == 1
           and len(dst) >= 2 and all(isinstance(d, int) for d in src[1:])
           and (dst[0] == src[0] or dst[0] is None or src[0] is None))
@@ -178,8 +199,17 @@ def _reshape(t: Tracker, node, ins) -> Space | None:
     if ok and len(dst) == 2 and (dst[1] == math.prod(src[1:])
                                  or (same_batch and not isinstance(dst[1], int))):
         return space.moved(1, 2, math.prod(src[2:]))
-    t.unknown(node, ins, "reshapes across the channel axis")
     return None
+
+
+def _dst_shape(t: Tracker, node) -> tuple | None:
+    """The inferred output shape, its unknown dims filled from the Reshape's target."""
+    inferred, target = t.index.shape(node.output[0]), reshape_target(t.index, node)
+    if inferred is None or target is None or len(inferred) != len(target):
+        return inferred if inferred is not None else \
+            (None if target is None else tuple(target))
+    return tuple(d if isinstance(d, int) or not isinstance(v, int) or v < 0 else v
+                 for d, v in zip(inferred, target))
 
 
 def _axes_of(t: Tracker, node) -> list[int] | None:
@@ -297,4 +327,5 @@ _HANDLERS = {
     "Concat": _concat, "Flatten": _flatten, "Reshape": _reshape, "Squeeze": _squeeze,
     "Unsqueeze": _unsqueeze, "Transpose": _transpose, "Softmax": _softmax,
     "LogSoftmax": _softmax, "Hardmax": _softmax, "Slice": _slice, "Split": _split, "Pad": _pad,
+    "Gather": gather,
 }

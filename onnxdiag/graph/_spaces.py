@@ -46,6 +46,9 @@ class _Info:
     consumers: list = field(default_factory=list)
     params: list = field(default_factory=list)
     reasons: list = field(default_factory=list)
+    reshapes: list = field(default_factory=list)
+    block_size: int = 1
+    role: str | None = None
 
 
 class Tracker:
@@ -57,6 +60,7 @@ class Tracker:
         self.info: list[_Info] = []
         self.order: list[int] = []
         self.spaces: dict[str, Space] = {}
+        self.dissolved: set[int] = set()  # roots whose records are replaced (heads)
 
     # -- union-find --------------------------------------------------------------------------
     def new_space(self, member: str, n_channels: int, axis: int, rank: int) -> Space:
@@ -65,6 +69,19 @@ class Tracker:
         self.order.append(gid)
         self.info.append(_Info(n_channels, members=[(member, 0)]))
         return Space((Segment(gid, 0, n_channels),), axis, rank)
+
+    def new_source(self, n_channels: int, axis: int, rank: int, kind: str) -> Space:
+        """A space of channels no layer produces but constants index (an embedding
+        table's columns): a group without members."""
+        gid = self.new_group(n_channels, kind)
+        return Space((Segment(gid, 0, n_channels),), axis, rank)
+
+    def new_group(self, n_channels: int, kind: str) -> int:
+        gid = len(self.parent)
+        self.parent.append(gid)
+        self.order.append(gid)
+        self.info.append(_Info(n_channels, kinds={kind}))
+        return gid
 
     def find(self, gid: int) -> int:
         while self.parent[gid] != gid:
@@ -81,7 +98,7 @@ class Tracker:
             if keep.n_channels != gone.n_channels:
                 keep.reasons.append(f"channel counts differ ({keep.n_channels} vs "
                                     f"{gone.n_channels})")
-            for name in ("members", "consumers", "params", "reasons"):
+            for name in ("members", "consumers", "params", "reasons", "reshapes"):
                 getattr(keep, name).extend(getattr(gone, name))
             keep.kinds |= gone.kinds
             keep.kinds.add(kind)
@@ -91,6 +108,17 @@ class Tracker:
 
     def block(self, space: Space, reason: str) -> None:
         for info in self._groups(space):
+            info.reasons.append(reason)
+
+    def add_kind(self, space: Space, kind: str) -> None:
+        for info in self._groups(space):
+            info.kinds.add(kind)
+
+    def add_reshape(self, space: Space, record: tuple, reason: str) -> None:
+        """A Reshape whose shape constant holds a count of these channels (to rewrite
+        when they are pruned; not implemented yet, so it also blocks the group)."""
+        for info in self._groups(space):
+            info.reshapes.append(record)
             info.reasons.append(reason)
 
     def add_member(self, seg: Segment, name: str, kind: str) -> None:

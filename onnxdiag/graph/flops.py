@@ -61,3 +61,21 @@ def linear_flops(n_in: int, n_out: int, output_shape: tuple | None) -> tuple[int
         return None, f"dynamic dimensions {tuple(rows)}: FLOPs not computed"
     batch = _batch(rows) if rows else 1
     return 2 * batch * math.prod(rows[1:]) * n_in * n_out, ""
+
+
+def layer_flops_per_sample(layer, input_shape: tuple, output_shape: tuple,
+                           batch: int) -> int | None:
+    """FLOPs of one sample of ``layer`` (a graph Layer) from the shapes of a batch of
+    ``batch`` samples (measured: every dimension an int)."""
+    if layer.op_type in ("Gemm", "MatMul"):
+        rows = math.prod(output_shape[:-1]) if len(output_shape) > 1 else 1
+        if batch <= 0 or rows % batch:
+            return None
+        return 2 * (rows // batch) * layer.n_in * layer.n_out
+    if layer.op_type == "ConvTranspose":
+        flops, _ = conv_transpose_flops(layer.n_in, layer.n_out // layer.groups, layer.kernel,
+                                        (1, *input_shape[1:]))
+        return flops
+    flops, _ = conv_flops(layer.n_out, layer.n_in // layer.groups, layer.kernel,
+                          (1, *output_shape[1:]))
+    return flops

@@ -7,6 +7,13 @@ per-channel constants).  Concat does not tie spaces: it lays them side by side, 
 a consumer of a concat reads each space at an offset.  Flatten/Reshape before a
 Gemm/MatMul maps channel c to a block of ``block_size`` consecutive features.
 Anything not understood makes the spaces it touches not prunable, naming the op.
+
+Token models (docs/METHODS.md §D): channels-last Reshapes that regroup leading axes,
+token Gathers, LayerNorm / RMSNorm (γ, β per channel), embedding tables and broadcast
+class tokens keep the residual stream one group across blocks (``role``
+"residual_stream"); an MLP's hidden units are "mlp_hidden"; attention heads
+(:mod:`onnxdiag.graph.attention`) are "attention_heads" groups of ``block_size`` =
+head_dim features.  Groups record the Reshape constants that count their channels.
 Never modifies the model.
 """
 
@@ -19,8 +26,18 @@ import onnx
 from ._records import jsonable
 from ._rules import visit
 from ._spaces import Space, Tracker
+from ._token_rules import norm as visit_norm
+from .attention import AttentionBlock, find_attention_blocks
 from .index import GraphIndex
 from .layers import Layer
+from .norms import find_norms
+
+_LINEAR = ("Gemm", "MatMul")
+#: Why the transformer groups stay unprunable for now (their slicing is not implemented).
+NOT_YET = {"residual_stream": "the residual stream (docs/METHODS.md §D): structured pruning "
+                              "of it is not implemented yet",
+           "attention_heads": "attention heads (docs/METHODS.md §D): structured pruning of "
+                              "heads is not implemented yet"}
 
 
 @dataclass(frozen=True)
@@ -51,6 +68,24 @@ class ChannelParam:
 
 
 @dataclass(frozen=True)
+class ChannelReshape:
+    """A Reshape (or Split) whose shape (sizes) constant counts a group's channels:
+    element ``position`` of input ``input_index`` of ``node_name`` is the literal
+    ``value``, ``per_channel`` × the group's channel count; ``meaning`` "channels"
+    (features) or "heads" (the head count); ``source`` / ``source_index``: the
+    constant (initializer or Constant node output) holding it."""
+
+    node_name: str
+    input_index: int
+    position: int
+    value: int
+    meaning: str
+    per_channel: int
+    source: str | None = None
+    source_index: int | None = None
+
+
+@dataclass(frozen=True)
 class ChannelGroup:
     """Output channels of ``members`` that must be pruned together, index by index.
 
@@ -64,6 +99,10 @@ class ChannelGroup:
         params: constants that must be sliced with the channels.
         prunable: False when the group reaches the head's output (classes), a graph
             output, or an op not understood; ``reason`` says which (";"-joined).
+        role: "residual_stream", "mlp_hidden", "attention_heads" or None.
+        block_size: output features of every member (and entries of every param) per
+            group channel: entry ``(offset + c) * block_size + j``; head_dim for heads.
+        reshapes: the Reshape constants that count the channels (to rewrite).
     """
 
     group_id: int
@@ -75,11 +114,15 @@ class ChannelGroup:
     params: tuple[ChannelParam, ...]
     prunable: bool
     reason: str
+    role: str | None = None
+    block_size: int = 1
+    reshapes: tuple[ChannelReshape, ...] = ()
 
     def to_dict(self) -> dict:
         """JSON-able dict of every field."""
         return {f.name: jsonable([c.__dict__ for c in getattr(self, f.name)]
-                                 if f.name in ("consumers", "params") else getattr(self, f.name))
+                                 if f.name in ("consumers", "params", "reshapes")
+                                 else getattr(self, f.name))
                 for f in fields(self)}
 
 
@@ -93,17 +136,26 @@ def find_channel_groups(model: onnx.ModelProto | GraphIndex,
     index = model if isinstance(model, GraphIndex) else GraphIndex(model)
     by_name = {layer.node_name: layer for layer in layers}
     tracker = Tracker(index)
+    norms = {name: norm for norm in find_norms(index).values() for name in norm.nodes}
     for node in index.nodes:
         layer = by_name.get(node.name)
         if layer is not None:
             _visit_layer(tracker, node, layer)
+        elif node.name in norms:  # a LayerNorm / RMSNorm, as one op
+            norm = norms[node.name]
+            out = visit_norm(tracker, norm, tracker.spaces.get(norm.input)) \
+                if node.name == norm.nodes[-1] else None
+            if out is not None:
+                tracker.spaces[norm.output] = out
         else:
             visit(tracker, node)
     for name in index.outputs:
         space = tracker.spaces.get(name)
         if space is not None:
             tracker.block(space, f"reaches graph output {name!r}")
-    return _records(tracker)
+    for block in find_attention_blocks(index, layers):
+        _claim_heads(tracker, block, by_name)
+    return _records(tracker, by_name)
 
 
 def get_group(groups: list[ChannelGroup], node_name: str) -> ChannelGroup:
@@ -148,20 +200,75 @@ def _visit_layer(tracker: Tracker, node: onnx.NodeProto, layer: Layer) -> None:
     tracker.spaces[layer.output] = out
 
 
-def _records(tracker: Tracker) -> list[ChannelGroup]:
-    roots = sorted({tracker.find(g) for g in range(len(tracker.parent))},
+def _claim_heads(tracker: Tracker, block: AttentionBlock, layers: dict) -> None:
+    """Replace the groups of an attention block's projections by one group of heads."""
+    members = block.members()
+    names = {m for m, _ in members}
+    old = {tracker.find(g) for g, info in enumerate(tracker.info)
+           if any(m in names for m, _ in info.members)}
+    if any({m for m, _ in tracker.info[r].members} - names for r in old):
+        return  # a projection's channels are tied to other layers: leave them be
+    gid = tracker.new_group(block.n_heads, "attention_heads")
+    info = tracker.info[gid]
+    info.members, info.block_size, info.role = members, block.head_dim, "attention_heads"
+    out = layers[block.output_layer]
+    info.consumers.append((out.node_name, out.op_type, 0, 0, block.head_dim))
+    index = tracker.index
+    for name, offset in members:
+        la = layers[name]
+        if la.bias_node:  # a separate bias Add: its entries of the heads
+            slot = list(index.node_by_name[la.bias_node].input).index(la.bias)
+            value = index.get_constant(la.bias)
+            info.params.append((la.bias_node, slot, la.bias, max(value.ndim - 1, 0), offset,
+                                index.source_initializer(la.bias)))
+    for split in block.splits:
+        info.reshapes += list(split.reshapes)
+    info.reshapes += list(block.reshapes)
+    info.reasons += [f"{la.node_name!r}: {la.note}" for la in
+                     (layers[n] for n in (*names, out.node_name)) if not la.prunable]
+    tracker.order[gid] = min(tracker.order[r] for r in old)
+    tracker.dissolved |= old
+
+
+def _role(info, layers: dict) -> str | None:
+    if info.role:
+        return info.role
+    if "residual" in info.kinds and info.kinds & {"layernorm", "rmsnorm"}:
+        return "residual_stream"
+    ops = [layers[m].op_type for m, _ in info.members] + [c[1] for c in info.consumers]
+    if info.members and info.consumers and all(op in _LINEAR for op in ops) \
+            and not info.kinds & {"residual", "concat", "depthwise", "flatten", "embedding"}:
+        return "mlp_hidden"
+    return None
+
+
+def _records(tracker: Tracker, layers: dict) -> list[ChannelGroup]:
+    roots = sorted({tracker.find(g) for g in range(len(tracker.parent))} - tracker.dissolved,
                    key=lambda r: tracker.order[r])
     groups = []
     for gid, root in enumerate(roots):
         info = tracker.info[root]
-        reasons = list(dict.fromkeys(info.reasons))
+        role = _role(info, layers)
+        reasons = list(dict.fromkeys(info.reasons + ([NOT_YET[role]] if role in NOT_YET
+                                                     else [])))
         if info.n_channels < 2 and not reasons:
             reasons.append("a single channel cannot be pruned")
+        if not info.members:
+            reasons.append("no layer produces these channels (embedding table columns)")
         kinds = tuple(sorted(info.kinds)) or ("chain",)
         groups.append(ChannelGroup(
             group_id=gid, members=tuple(m for m, _ in info.members),
             member_offsets=tuple(o for _, o in info.members), n_channels=info.n_channels,
             kinds=kinds, consumers=tuple(ChannelConsumer(*c) for c in info.consumers),
             params=tuple(ChannelParam(*p) for p in info.params), prunable=not reasons,
-            reason="; ".join(reasons)))
+            reason="; ".join(reasons), role=role, block_size=info.block_size,
+            reshapes=_reshapes(info)))
     return groups
+
+
+def _reshapes(info) -> tuple[ChannelReshape, ...]:
+    out = []
+    for node, slot, position, value, meaning, source, element in dict.fromkeys(info.reshapes):
+        per = 1 if meaning == "heads" else max(value // max(info.n_channels, 1), 1)
+        out.append(ChannelReshape(node, slot, position, value, meaning, per, source, element))
+    return tuple(out)

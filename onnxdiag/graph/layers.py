@@ -14,9 +14,12 @@ import numpy as np
 import onnx
 
 from ._records import jsonable
+from .activations import find_activation
 from .flops import conv_flops, conv_output_spatial, conv_transpose_flops, linear_flops
 from .index import GraphIndex, get_attr
-from .ops import ACTIVATIONS, BN_LOOKAHEAD
+from .norms import find_norms, norm_around
+from .ops import BN_LOOKAHEAD
+from .shapes import reshape_target
 
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 
@@ -48,6 +51,11 @@ class Layer:
             for x·Sigmoid(x), "HardSwish" for x·HardSigmoid(x)) and the node producing it.
         is_head; prunable: whether pruning edits are supported (False for ConvTranspose,
             Gemm transA=1 and computed weights), reason in ``note``.
+        normalization: "batchnorm" (``bn_node``), "layernorm" or "rmsnorm" (normalising
+            each token across channels, docs/METHODS.md §D), or None; norm_node: the
+            norm's node (its last node when written out); norm_position: "output" (it
+            reads the layer's output, maybe past a residual Add) or "input" (it wrote
+            the layer's input, pre-norm style).
     """
 
     node_name: str
@@ -80,6 +88,9 @@ class Layer:
     is_head: bool
     prunable: bool
     note: str
+    normalization: str | None = None
+    norm_node: str | None = None
+    norm_position: str | None = None
 
     def to_dict(self) -> dict:
         """JSON-able dict of every field."""
@@ -97,10 +108,11 @@ def find_layers(model: onnx.ModelProto | GraphIndex, head=None) -> list[Layer]:
     """
     index = model if isinstance(model, GraphIndex) else GraphIndex(model)
     head_name = getattr(head, "node_name", head)
+    norms = find_norms(index)
     layers = []
     for node in index.nodes:
         if node.op_type in WEIGHTED_OPS and node.domain in ("", "ai.onnx"):
-            layer = _layer(index, node, node.name == head_name)
+            layer = _layer(index, node, node.name == head_name, norms)
             if layer is not None:
                 layers.append(layer)
     return layers
@@ -116,7 +128,8 @@ def get_layer(layers: list[Layer], node_name: str) -> Layer:
                    f"{', '.join(names[:5])}")
 
 
-def _layer(index: GraphIndex, node: onnx.NodeProto, is_head: bool) -> Layer | None:
+def _layer(index: GraphIndex, node: onnx.NodeProto, is_head: bool, norms: dict
+           ) -> Layer | None:
     if len(node.input) < 2:
         return None
     w = index.get_constant(node.input[1])
@@ -126,9 +139,11 @@ def _layer(index: GraphIndex, node: onnx.NodeProto, is_head: bool) -> Layer | No
     bias, bias_node, post, notes = _bias(index, node, geo["n_out"])
     bias_size = 0 if bias is None else int(np.asarray(index.get_constant(bias)).size)
     bn_node, bn_position, post, bn_note = _batchnorm(index, post)
-    activation, act_node = find_activation(index, post)
+    activation, act_node = find_activation(index, _past_token_reshape(index, node, post,
+                                                                      geo["n_out"]))
     if bn_node is None:
         bn_node, bn_position, bn_note = _bn_before_next(index, post)
+    norm = _normalization(index, norms, node, post, bn_node)
     notes += [n for n in (bn_note, geo.pop("note")) if n]
     folded = node.op_type == "Conv" and not is_head and bn_node is None and bias is not None
     if folded:
@@ -145,7 +160,28 @@ def _layer(index: GraphIndex, node: onnx.NodeProto, is_head: bool) -> Layer | No
         weight_shape=tuple(int(d) for d in w.shape), bias=bias, bias_node=bias_node,
         n_params=int(w.size) + bias_size, bn_node=bn_node, bn_position=bn_position,
         bn_folded=folded, activation=activation, activation_node=act_node, is_head=is_head,
-        prunable=prunable, note="; ".join(notes), **geo)
+        prunable=prunable, note="; ".join(notes), **norm, **geo)
+
+
+def _normalization(index: GraphIndex, norms: dict, node, post: str, bn_node) -> dict:
+    if bn_node is not None:
+        return dict(normalization="batchnorm", norm_node=bn_node, norm_position="output")
+    if node.op_type not in ("Gemm", "MatMul"):
+        return {}
+    norm, position = norm_around(index, norms, node, post)
+    return {} if norm is None else dict(normalization=norm.kind, norm_node=norm.nodes[-1],
+                                        norm_position=position)
+
+
+def _past_token_reshape(index: GraphIndex, node, tensor: str, n_out: int) -> str:
+    """Past a Reshape that only regroups a linear layer's leading (token) axes: GPT-2's
+    Conv1D runs a Gemm on (N·T, D) rows and reshapes them back to (N, T, D)."""
+    user = index.sole_consumer(tensor)
+    if node.op_type not in ("Gemm", "MatMul") or user is None or user.op_type != "Reshape" \
+            or user.input[0] != tensor:
+        return tensor
+    target = reshape_target(index, user)
+    return user.output[0] if target and target[-1] == n_out else tensor
 
 
 def _geometry(index: GraphIndex, node: onnx.NodeProto, w: np.ndarray) -> dict:
@@ -239,20 +275,6 @@ def _bn_before_next(index: GraphIndex, tensor: str) -> tuple:
     if len(found) != 1:
         return None, None, ""
     return found[0].name, "before_next", "BN sits before the next layer (pre-activation style)"
-
-
-def find_activation(index: GraphIndex, tensor: str) -> tuple[str | None, str | None]:
-    """``(activation, node_name)`` applied to ``tensor``, or ``(None, None)``."""
-    users = [n for n, _ in index.consumers_of(tensor)]
-    ops = sorted(n.op_type for n in users)
-    if ops in (["Mul", "Sigmoid"], ["HardSigmoid", "Mul"]):
-        gate = next(n for n in users if n.op_type != "Mul")
-        mul = next(n for n in users if n.op_type == "Mul")
-        if gate.output[0] in mul.input:
-            return ("SiLU" if gate.op_type == "Sigmoid" else "HardSwish"), mul.name
-    if len(users) == 1 and users[0].op_type in ACTIVATIONS:
-        return users[0].op_type, users[0].name
-    return None, None
 
 
 def _clip_range(index: GraphIndex, node_name: str | None) -> tuple | None:

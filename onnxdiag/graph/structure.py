@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import onnx
@@ -80,7 +80,8 @@ class Structure:
 
 def analyze_structure(model: onnx.ModelProto, *, head: str | None = None,
                       features: str | None = None, require_head: bool = True,
-                      feeds: dict | None = None, providers=None) -> Structure:
+                      feeds: dict | None = None, providers=None,
+                      shape_feeds: dict | None = None) -> Structure:
     """Head, layers, channel groups and totals of ``model``; never modifies it.
 
     Args:
@@ -91,6 +92,8 @@ def analyze_structure(model: onnx.ModelProto, *, head: str | None = None,
         feeds: one batch ({input name: array}); when given the head is found by
             verification on it (:func:`onnxdiag.graph.verify.find_verified_head`, run on
             ``providers``), else without data (:func:`find_head`).
+        shape_feeds: one batch whose shapes resolve the dimensions shape inference
+            leaves open (see :func:`at_batch_shapes`).
 
     Raises:
         HeadNotFoundError: no head (only when ``require_head``).
@@ -106,6 +109,13 @@ def analyze_structure(model: onnx.ModelProto, *, head: str | None = None,
         found, notes = None, [str(exc)]
     layers = find_layers(index, found)
     groups = find_channel_groups(index, layers)
+    structure = _assemble(model, index, found, layers, groups, notes)
+    if shape_feeds is not None:
+        structure = at_batch_shapes(model, structure, shape_feeds, providers=providers)
+    return structure
+
+
+def _assemble(model, index, found, layers, groups, notes) -> Structure:
     unknown = [la.node_name for la in layers if la.flops is None]
     if unknown:
         notes.append(f"FLOPs unknown for {len(unknown)} layer(s) (dynamic or unknown shapes), "
@@ -120,6 +130,61 @@ def analyze_structure(model: onnx.ModelProto, *, head: str | None = None,
         n_params_layers=sum(la.n_params for la in layers),
         flops=None if unknown else known, flops_known=known, notes=tuple(notes),
         head_candidates=tuple(find_head_candidates(index)))
+
+
+def at_batch_shapes(model: onnx.ModelProto, structure: Structure, feeds: dict, *,
+                    providers=None) -> Structure:
+    """``structure`` with each layer's shapes and FLOPs (per sample) at the shapes of one
+    batch ``feeds``, where shape inference left a dimension open (tokens; GPT-2's
+    N·T rows); the same record when nothing is open (no run then). A dimension 0 equal
+    to the batch size stays symbolic (the batch).  One ONNX Runtime run on
+    ``providers``; never modifies ``model``."""
+    from .flops import layer_flops_per_sample
+    from .shapes import batch_size, measured_shapes
+
+    batch_dims = {i.shape[0] for i in structure.inputs if i.shape}
+    open_layers = [la for la in structure.layers
+                   if la.flops is None or not _static(la, batch_dims)]
+    if not open_layers:
+        return structure
+    tensors = [t for la in open_layers for t in (la.input, la.output)]
+    measured = measured_shapes(model, tensors, feeds, providers=providers)
+    n = batch_size(feeds)
+    resolved = {}
+    for la in open_layers:
+        if la.input not in measured or la.output not in measured:
+            continue
+        shape_in, shape_out = measured[la.input], measured[la.output]
+        resolved[la.node_name] = replace(
+            la, input_shape=_keep_batch(la.input_shape, shape_in, n),
+            output_shape=_keep_batch(la.output_shape, shape_out, n),
+            flops=layer_flops_per_sample(la, shape_in, shape_out, n))
+    layers = tuple(resolved.get(la.node_name, la) for la in structure.layers)
+    unknown = [la.node_name for la in layers if la.flops is None]
+    notes = [n for n in structure.notes if not n.startswith("FLOPs unknown")]
+    notes.append(f"shapes and FLOPs of {len(resolved)} layer(s) measured on one batch of "
+                 f"{n} (dimensions shape inference left open); FLOPs are per sample")
+    known = sum(la.flops for la in layers if la.flops is not None)
+    return replace(structure, layers=layers, flops=None if unknown else known,
+                   flops_known=known, notes=tuple(notes))
+
+
+def _static(layer: Layer, batch_dims: set) -> bool:
+    """Every dimension known, but a first one that is the inputs' batch (a linear layer's
+    first dimension may also count rows of several tokens, GPT-2's N·T)."""
+    shapes = (layer.input_shape, layer.output_shape)
+    if any(s is None or not all(isinstance(d, int) for d in s[1:]) for s in shapes):
+        return False
+    first = layer.output_shape[0]
+    return isinstance(first, int) or layer.op_type not in ("Gemm", "MatMul") \
+        or len(layer.output_shape) > 2 or first in batch_dims
+
+
+def _keep_batch(inferred: tuple | None, measured: tuple, n: int) -> tuple:
+    if inferred and len(inferred) == len(measured) and not isinstance(inferred[0], int) \
+            and measured[0] == n:
+        return (inferred[0], *measured[1:])
+    return measured
 
 
 def _info(index: GraphIndex, name: str) -> TensorInfo:
