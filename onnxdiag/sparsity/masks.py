@@ -19,6 +19,9 @@ from ..graph import GraphIndex
 from ..model.edit import ModelEditor
 from .budget import LayerInfo, prune_count
 
+#: The ops whose constant weight is pruned (METHODS §C1, §D).
+PRUNABLE_OPS = ("Conv", "Gemm", "MatMul")
+
 
 def magnitude_order(weight: np.ndarray) -> np.ndarray:
     """Flat indices of ``weight`` in keep-first order: |w| descending, ties lower index first.
@@ -52,19 +55,19 @@ def magnitude_mask(weight: np.ndarray, sparsity: float | None = None, *,
 
 
 def find_prunable(structure, keep_dense: Iterable[str] = ()) -> list:
-    """The prunable layers (METHODS §C1): every Conv and the head Gemm / MatMul, in
-    topological order.
+    """The prunable layers (METHODS §C1, §D): every Conv and every Gemm / MatMul (hidden
+    linear layers and the head alike), in topological order.
 
     All of them count in the budget's N (METHODS §C3: a fraction of all prunable weights);
     ``keep_dense`` is only validated here and handed to :func:`allocate_sparsity`,
     which leaves those layers dense.  Layers the graph analysis marks unprunable
-    (computed weights, ConvTranspose) are skipped.
+    (computed weights, ConvTranspose, Gemm with transA) are skipped.
 
     Raises:
         OnnxDiagError: a ``keep_dense`` name is not a prunable layer (the message lists them).
     """
-    layers = [la for la in structure.layers if la.prunable and (
-        la.op_type == "Conv" or (la.is_head and la.op_type in ("Gemm", "MatMul")))]
+    layers = [la for la in structure.layers
+              if la.prunable and la.op_type in PRUNABLE_OPS]
     check_layer_names(keep_dense, [la.node_name for la in layers], "--keep-dense")
     return layers
 
