@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import warnings
 
+import exports
 import numpy as np
 import onnx
 import pytest
 from corpus import run_ort
 
-import exports
 from onnxdiag.graph import analyze_structure
 from onnxdiag.model.io import load_model
 from onnxdiag.sparsity import (

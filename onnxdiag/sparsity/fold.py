@@ -205,15 +205,16 @@ def scale_output_channels(layer, w: np.ndarray, alpha: np.ndarray) -> np.ndarray
 
 
 def _bias_state(editor, index, layer, node):
-    """(holder node, input slot or None, bias value or None, beta, in-node flag)."""
+    """(holder node, input slot or None, bias value or None, beta, in-node flag); beta is
+    Gemm's scale of its C input, also of a C the repair adds."""
+    beta = float(get_attr(node, "beta", 1.0)) if node.op_type == "Gemm" else 1.0
     if len(node.input) > 2 and node.input[2]:
-        beta = float(get_attr(node, "beta", 1.0)) if node.op_type == "Gemm" else 1.0
         return node, 2, _value(editor, node.input[2]), beta, True
     if layer.bias_node:
         add = index.get_node(layer.bias_node)
         slot = list(add.input).index(layer.bias)
         return add, slot, _value(editor, add.input[slot]), 1.0, False
-    return node, None, None, 1.0, True
+    return node, None, None, beta, True
 
 
 def _fold_bias(editor, index, layer, node, alpha, dense, pruned, affine) -> tuple:
