@@ -4,6 +4,7 @@ budget counted in the emitted file, CR matching each output feature's variance."
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import exports
@@ -302,6 +303,10 @@ def test_sweep_runs_every_allocation_with_cr_and_none_on_a_vit(built, tmp_path):
     assert {c["allocation"] for c in ran} == set(RULES)
     assert all(c["accuracy"] is not None and len(c["layer_sparsity"]) == 10 for c in ran)
     assert section["notes"] == []  # cr and none have no BN part
+    pytest.importorskip("jsonschema")
+    from onnxdiag.report.schema import validate_report
+
+    validate_report(json.loads(json.dumps(res.report, default=str)))
 
 
 def test_rr_and_the_repairability_section_run_on_bert(built, tmp_path):
@@ -320,3 +325,7 @@ def test_rr_and_the_repairability_section_run_on_bert(built, tmp_path):
     model = load_model(path)
     rep, text = repairability_section(model, batches, n_images=16, transition_grid=(0.5,))
     assert len(rep["rows"]) == 14 and any("nothing to act on" in n for n in rep["notes"])
+    pytest.importorskip("jsonschema")
+    from onnxdiag.report.schema import validate_report
+
+    validate_report(json.loads(json.dumps(res.report, default=str)))

@@ -3,7 +3,9 @@
 A mask is a boolean array of the weight's stored shape, True = kept.  Within a
 layer the largest |w| are kept; ties are broken by flat index, the lower index
 kept (so masks are reproducible across runs and platforms).  Prunable set: every
-Conv and the head Gemm / MatMul weight; biases and BN parameters are never pruned.
+Conv and every Gemm / MatMul with a constant weight (METHODS §D: an MLP's hidden layers, a
+transformer's attention and MLP projections, the head); biases, BN and LayerNorm
+parameters and embedding tables (read by Gather: not layers) are never pruned.
 """
 
 from __future__ import annotations
