@@ -168,15 +168,32 @@ def mlp(tmp_path_factory):
     return digits_mlp(tmp_path_factory.mktemp("cli_mlp"))
 
 
-def test_prune_of_an_skl2onnx_mlp_is_refused_in_one_line(mlp, tmp_path):
+def test_prune_of_an_skl2onnx_mlp_prunes_every_layer(mlp, tmp_path):
+    """Issue 16: no refusal any more; S = 0.5 removes 592 of the 1,184 weights."""
     model, data = mlp
     out = tmp_path / "p.onnx"
     result = run("prune", model, "--sparsity", 0.5, "--data", data, "-o", out,
+                 "--out", tmp_path / "rep", "--format", "json")
+    assert result.exit_code == 0, result.output
+    info = json.loads(result.stdout)["prune"]
+    assert (info["n_pruned"], info["n_weights"]) == (592, 1184)
+    assert sorted(info["layer_sparsity"]) == ["MatMul", "MatMul1"] and out.exists()
+
+
+def test_prune_of_a_model_without_a_prunable_layer_is_refused_in_one_line(tmp_path):
+    """The one refusal left: no Conv / Gemm / MatMul with a constant weight (here the
+    head's weight is computed by a Transpose)."""
+    from corpus import identity_transpose_weights
+
+    model = tmp_path / "m.onnx"
+    onnx.save(identity_transpose_weights(), model)
+    data = tmp_path / "d.npz"
+    np.savez(data, x=np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32))
+    out = tmp_path / "p.onnx"
+    result = run("prune", model, "--sparsity", 0.5, "--data", data, "-o", out,
                  "--out", tmp_path / "rep")
-    assert_user_error(result, "only the head 'MatMul1' (160 weights) can be pruned", out,
-                      tmp_path / "p.onnx.json", tmp_path / "rep")
-    assert "linear layers other than the head are not prunable yet" in result.stderr
-    assert "%" not in result.stderr
+    assert_user_error(result, "The model has no prunable layer (a Conv, Gemm or MatMul with "
+                      "a constant weight)", out, tmp_path / "p.onnx.json", tmp_path / "rep")
 
 
 def test_prune_sparsity_zero_is_a_reported_no_op(mlp, tmp_path):

@@ -1,4 +1,5 @@
-"""METHODS §C3 allocations: the ERK table oracle, exact budgets, brute-force global / LAMP, RR rules."""
+"""METHODS §C3 allocations: the ERK table oracle, exact budgets, brute-force global / LAMP,
+RR rules."""
 
 from __future__ import annotations
 

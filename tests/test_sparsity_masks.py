@@ -53,13 +53,13 @@ def test_magnitude_mask_ties_keep_the_lower_flat_index():
     assert magnitude_mask(np.zeros(5), n_keep=2).tolist() == [True, True, False, False, False]
 
 
-def test_find_prunable_is_every_conv_and_the_head():
+def test_find_prunable_is_every_conv_and_linear_layer():
     structure = analyze_structure(load_model(residual_block()))
     names = [la.node_name for la in find_prunable(structure)]
     assert sorted(names) == sorted(["stem", "c1", "c2", "c3", "c4", "proj", "head"])
-    # an MLP hidden layer is neither a conv nor the head (METHODS §C1)
+    # an MLP's hidden Gemm is prunable like the head (METHODS §C1, §D; issue 16)
     assert [la.node_name for la in find_prunable(analyze_structure(load_model(mlp_head())))] \
-        == ["fc2"]
+        == ["fc1", "fc2"]
 
 
 def test_find_prunable_rejects_unknown_keep_dense_names():

@@ -1,4 +1,5 @@
-"""METHODS §C2: offline single-layer evaluation equals ONNX Runtime; RR curves against brute force."""
+"""METHODS §C2: offline single-layer evaluation equals ONNX Runtime; RR curves against brute
+force."""
 
 from __future__ import annotations
 

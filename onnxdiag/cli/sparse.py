@@ -50,8 +50,9 @@ def rr_options(f):
                      help="Calibration images for the RR curves (docs/METHODS.md §C2)."),
         click.option("--rr-positions", default="16", show_default=True, metavar="N|all",
                      callback=_positions_option,
-                     help="Conv output positions per image (seeded by --seed) whose patches "
-                          "enter the RR moments; 'all' = every position (exact, slower)."),
+                     help="Conv output positions per image, or linear-layer tokens per "
+                          "input (seeded by --seed), entering the RR moments; 'all' = every "
+                          "position (exact, slower)."),
         click.option("--rr-prior", type=click.Choice(["erk", "lamp"]), default="erk",
                      show_default=True, help="Prior allocation the rr rule modulates."),
         click.option("--rr-gamma", type=float, default=1.0, show_default=True,
@@ -132,9 +133,9 @@ def prune(model, output, **kwargs):
 
     Writes OUTPUT and OUTPUT.json (source and emitted model facts, checks, comparison with
     the source, accuracy with --eval-data, CPU latency, per-layer sparsity, allocation,
-    repair parameters). Refuses to overwrite the input, and an existing OUTPUT without
-    --overwrite. Until MatMul/Gemm layers other than the head are prunable, a sparsity
-    that could only be met by pruning the head is refused.
+    repair parameters). Every Conv, Gemm and MatMul with a constant weight is prunable
+    (an MLP's hidden layers, a transformer's attention and MLP projections, the head).
+    Refuses to overwrite the input, and an existing OUTPUT without --overwrite.
     """
     from ..commands.prune import PruneOptions, prune_report_sparse
 

@@ -67,9 +67,10 @@ def prune_report_sparse(model, *, output, data, eval_data=None,
                         ) -> CommandResult:
     """Prune to a global sparsity, repair, emit the model (``onnxdiag prune``).
 
-    S counts every conv / linear weight of the model; until linear layers other than the
-    head are prunable, a budget that can only reach the head, or that the prunable layers
-    cannot hold, is refused (OnnxDiagError) before any work. A budget of 0 weights emits
+    S counts every conv / linear weight of the model (every Conv, Gemm and MatMul with a
+    constant weight is prunable, docs/METHODS.md §C1, §D); a model without such a layer,
+    or a budget the prunable layers cannot hold, is refused (OnnxDiagError) before any
+    work. A budget of 0 weights emits
     the source model unchanged and says why (``no_op``). The emitted file goes through
     :func:`~onnxdiag.model.finalize.emit_model` (full checker, ONNX Runtime reload,
     outputs against the in-memory model) and gets a sidecar ``<output>.json`` with the
@@ -144,8 +145,8 @@ def _emit(inputs: Inputs, pruned, pruner, alloc, record, *, budget, output, opti
         final, storage = _sparse_storage(pruned, pruner, inputs.feeds[0])
     reason = no_op_reason(budget)
     notes = ([f"no-op: {reason}; the emitted model is the source model (no repair ran)"]
-             if reason else []) + [LATENCY_NOTE] + ([storage["note"]] if storage.get("note")
-                                                    else [])
+             if reason else []) + ([] if record is None else list(record.notes)) + [
+        LATENCY_NOTE] + ([storage["note"]] if storage.get("note") else [])
     sidecar = {
         "tool": "onnxdiag prune", "tool_version": __version__,
         "source": _model_facts(inputs.model, inputs.structure, inputs.path),
@@ -252,9 +253,9 @@ def _budget_lines(info: dict) -> list[str]:
     if not b["unsupported"]:
         return [line]
     return [line, f"  {b['n_supported']:,} of them in the prunable layers (sparsity "
-                  f"{100 * info['n_pruned'] / b['n_supported']:.3f} % there); not prunable "
-                  f"yet: " + ", ".join(f"{u['layer']} ({u['n_weights']:,})"
-                                       for u in b["unsupported"][:5])]
+                  f"{100 * info['n_pruned'] / b['n_supported']:.3f} % there); not prunable: "
+                  + ", ".join(f"{u['layer']} ({u['n_weights']:,})"
+                              for u in b["unsupported"][:5])]
 
 
 def _measure_lines(info: dict) -> list[str]:

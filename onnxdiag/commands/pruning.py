@@ -28,9 +28,9 @@ DEFAULTS = dict(rr_images=64, rr_positions=16, rr_eps=1e-12, alpha_cap=100.0, rr
                 rr_gamma=1.0, rr_cap=0.99, recalibrate="affected", band_hi=0.9, band_lo=0.5,
                 band_repair="cr+bn", cts_baseline="bn")
 
-CTS_NOTE = ("CTS compares CR+BN with BN-only; every pruned conv here feeds a BatchNormalization, "
-            "where CTS was measured as noise (CR+BN ~ BN-only; docs/METHODS.md §C4): read the "
-            "agreement band.")
+CTS_NOTE = ("CTS compares CR+BN with BN-only; every pruned layer here but the head feeds a "
+            "BatchNormalization, where CTS was measured as noise (CR+BN ~ BN-only; "
+            "docs/METHODS.md §C4): read the agreement band.")
 
 LATENCY_NOTE = ("unstructured zeros do not speed up ONNX Runtime (dense kernels); removing "
                 "channels (onnxdiag prune-channels) does.")
@@ -239,8 +239,18 @@ def needs_rr(rules) -> bool:
 
 
 def every_layer_has_bn(layers) -> bool:
-    convs = [la for la in layers if la.op_type == "Conv"]
-    return bool(convs) and all(la.bn_node for la in convs)
+    """Whether every prunable layer but the head (convs and hidden linear layers, which
+    CR repairs) feeds a BatchNormalization: then CR+BN ~ BN-only (docs/METHODS.md §C1)."""
+    repaired = [la for la in layers if not la.is_head]
+    return bool(repaired) and all(la.bn_node for la in repaired)
+
+
+def repair_notes(inputs: Inputs, methods) -> list[str]:
+    """What the ``methods``' BN parts leave alone in this model (linear layers under
+    LayerNorm, docs/METHODS.md §D), for the report's ``notes``."""
+    from ..sparsity.repair import repair_notes as notes_of
+
+    return notes_of(inputs.model, inputs.layers, methods)
 
 
 def band_text(band: dict | None, what: str) -> str:

@@ -29,6 +29,7 @@ from .pruning import (
     open_fan_out,
     open_inputs,
     pruning_metadata,
+    repair_notes,
 )
 
 #: The repairs of the label-free scan: the band's, and CTS's baseline (docs/METHODS.md §C4).
@@ -110,7 +111,8 @@ def _scan(inputs: Inputs, options: RROptions, curves, band, runtime, ex) -> dict
     rows = [c.to_dict() for c in cells]
     return {**transition_summary(cells, options.allocation, list(SCAN_REPAIRS)),
             "n_images": pruner.n_images, "cells": rows, "failed": failed_cells(rows),
-            "all_convs_feed_bn": every_layer_has_bn(inputs.layers)}
+            "all_convs_feed_bn": every_layer_has_bn(inputs.layers),
+            "notes": repair_notes(inputs, SCAN_REPAIRS)}
 
 
 def _layer_rows(curves, layers) -> list[dict]:
@@ -135,7 +137,8 @@ def render_rr(section: dict) -> str:
              "D_raw 0.9": r["d_raw@0.9"], "D_rep 0.9": r["d_repair@0.9"]}
             for r in section["layers"]]
     pos = c.get("positions")
-    where = "every position" if pos is None else f"{pos} conv positions per image"
+    where = ("every position" if pos is None else
+             f"{pos} positions per input (conv output positions, linear-layer tokens)")
     lines = [f"== Relative repairability (docs/METHODS.md §C2), {len(c['layers'])} layers, "
              f"{len(c['grid'])} sparsities, {c['n_images']} calibration images, {where} ==",
              render_table(rows).rstrip(),
@@ -154,6 +157,7 @@ def render_rr(section: dict) -> str:
                   band_text(tr["band"], "predicted transition band")]
         lines += cts_text(tr, tr.get("all_convs_feed_bn", False))
         lines += failure_lines(tr["cells"])
+        lines += [f"note: {n}" for n in tr.get("notes", [])]
     return "\n".join(lines) + "\n"
 
 
@@ -168,7 +172,8 @@ def repairability_section(model, source, *, structure=None, sparsities=(0.5, 0.9
     label-free agreement band and CTS from ``rr`` + CR+BN / BN-only on the first
     ``n_images`` calibration samples.  ``model``: a path or ModelProto (never modified);
     ``source``: a DataSource or an iterable of feed dicts; ``positions``: conv output
-    positions per image for the RR moments (None: every position).
+    positions per image, or linear-layer tokens per input, for the RR moments (None: every
+    position). Convs, hidden linear layers and the head alike (docs/METHODS.md §D).
     """
     from ..graph import analyze_structure
     from ..model.io import load_model
@@ -197,7 +202,8 @@ def repairability_section(model, source, *, structure=None, sparsities=(0.5, 0.9
              f"suggested allocation at S = {target:g}: rr (RR-modulated ERK), columns above"]
     if transition_grid:
         section["transition"], more = _analyze_scan(pruner, transition_grid, target, layers)
-        lines += more
+        section["notes"] = repair_notes(inputs, SCAN_REPAIRS)
+        lines += more + [f"note: {n}" for n in section["notes"]]
     return section, "\n".join(lines) + "\n"
 
 

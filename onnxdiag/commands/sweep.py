@@ -25,6 +25,7 @@ from .pruning import (
     open_fan_out,
     open_inputs,
     pruning_metadata,
+    repair_notes,
     say,
 )
 
@@ -91,6 +92,7 @@ def sweep_report(model, *, data, eval_data=None, options: SweepOptions = SweepOp
     section = summarize_sweep(cells, grid, rules, methods, dense_eval=dense_eval,
                               all_bn=every_layer_has_bn(inputs.layers))
     section["n_images"] = pruner.n_images
+    section["notes"] = repair_notes(inputs, methods)
     section["rr_curves"] = None if curves is None else curves.to_dict()
     doc = {"schema": SCHEMA_VERSION, "metadata": meta, "sweep": section}
     text = render_header(meta) + render_sweep(section)
@@ -192,6 +194,7 @@ def render_sweep(section: dict) -> str:
                          f"{_fmt_ranges(d['better_ranges']) or 'no S'}; largest gain "
                          f"{100 * best[1]:+.2f} pp at S = {float(best[0]):g}")
     lines += failure_lines(section["cells"])
+    lines += [f"note: {n}" for n in section.get("notes", [])]
     return "\n".join(lines) + "\n"
 
 

@@ -141,7 +141,7 @@ class ModelBudget:
     Fields:
         target: S, a fraction of every conv / linear weight the model computes with.
         n_model: N, those weights; n_supported: the weights of the layers the pruner
-            supports (Conv and the head, docs/METHODS.md §C1), kept-dense ones included;
+            supports (Conv, Gemm, MatMul, docs/METHODS.md §C1), kept-dense ones included;
             n_dense: of those, the weights of the layers kept dense.
         n_pruned: ⌊S·N⌋, exactly.
         sparsity_supported: S' with ⌊S'·n_supported⌋ = n_pruned (S itself when every layer
@@ -174,16 +174,16 @@ def plan_model_budget(S: float, layers, supported, keep_dense=()) -> ModelBudget
 
     ``layers``: every weighted layer of the model (:class:`~onnxdiag.graph.Layer` records
     of ``structure.layers``); ``supported``: those the pruner edits
-    (:func:`~onnxdiag.sparsity.find_prunable`); ``keep_dense``: names among them left dense.
+    (:func:`~onnxdiag.sparsity.find_prunable`: every Conv, Gemm and MatMul with a constant
+    weight); ``keep_dense``: names among them left dense. The other layers (ConvTranspose,
+    computed weights, Gemm with transA) count in N but stay dense.
 
     Raises:
-        OnnxDiagError: no supported layer; S > 0 can only reach the head while other
-            layers are not prunable yet; or ⌊S·N⌋ exceeds what the supported layers not
+        OnnxDiagError: no supported layer, or ⌊S·N⌋ exceeds what the supported layers not
             kept dense hold.
     """
     if not supported:
-        raise OnnxDiagError("The model has no prunable layer (Conv, or a Gemm / MatMul "
-                            "head); `onnxdiag inspect MODEL` shows its layers.")
+        raise OnnxDiagError(NO_PRUNABLE)
     names = {la.node_name for la in supported}
     size = {la.node_name: int(np.prod(la.weight_shape)) for la in layers}
     others = tuple({"layer": la.node_name, "op_type": la.op_type,
@@ -197,19 +197,19 @@ def plan_model_budget(S: float, layers, supported, keep_dense=()) -> ModelBudget
     budget = ModelBudget(float(S), n_model, n_sup, n_dense, k,
                          float(S) if not others else count_sparsity(min(k, n_sup), n_sup),
                          others)
-    open_layers = [la for la in supported if la.node_name not in set(keep_dense)]
-    if others and k > 0 and open_layers and all(la.is_head for la in open_layers):
-        raise OnnxDiagError(_head_only_message(budget, open_layers[0], others))
     if k > budget.room:
         raise OnnxDiagError(_unmet_message(budget, others))
     return budget
 
 
+#: The refusal when a model has no layer the pruner edits.
+NO_PRUNABLE = ("The model has no prunable layer (a Conv, Gemm or MatMul with a constant "
+               "weight); `onnxdiag inspect MODEL` shows its layers.")
+
+
 def _why_unsupported(layer) -> str:
     if layer.note and "not supported for pruning" in layer.note:
         return [p for p in layer.note.split("; ") if "not supported" in p][0]
-    if layer.op_type in ("Gemm", "MatMul"):
-        return "linear layers other than the head are not prunable yet"
     return f"{layer.op_type} is not prunable"
 
 
@@ -217,15 +217,6 @@ def _layer_list(others) -> str:
     shown = ", ".join(f"{o['op_type']} {o['layer']!r} with {o['n_weights']:,} weights"
                       for o in others[:3])
     return shown + (f" and {len(others) - 3} more" if len(others) > 3 else "")
-
-
-def _head_only_message(budget: ModelBudget, head, others) -> str:
-    n_head = int(np.prod(head.weight_shape))
-    return (f"Sparsity {budget.target:g} asks for {budget.n_pruned:,} of the model's "
-            f"{budget.n_model:,} conv/linear weights, but only the head {head.node_name!r} "
-            f"({n_head:,} weights) can be pruned: {others[0]['reason']} "
-            f"({_layer_list(others)}). Nothing was pruned; `onnxdiag inspect MODEL` lists "
-            "the layers.")
 
 
 def _unmet_message(budget: ModelBudget, others) -> str:

@@ -3,7 +3,9 @@
 A mask is a boolean array of the weight's stored shape, True = kept.  Within a
 layer the largest |w| are kept; ties are broken by flat index, the lower index
 kept (so masks are reproducible across runs and platforms).  Prunable set: every
-Conv and the head Gemm / MatMul weight; biases and BN parameters are never pruned.
+Conv and every Gemm / MatMul with a constant weight (METHODS §D: an MLP's hidden layers, a
+transformer's attention and MLP projections, the head); biases, BN and LayerNorm
+parameters and embedding tables (read by Gather: not layers) are never pruned.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from ..errors import OnnxDiagError
 from ..graph import GraphIndex
 from ..model.edit import ModelEditor
 from .budget import LayerInfo, prune_count
+
+#: The ops whose constant weight is pruned (METHODS §C1, §D).
+PRUNABLE_OPS = ("Conv", "Gemm", "MatMul")
 
 
 def magnitude_order(weight: np.ndarray) -> np.ndarray:
@@ -52,19 +57,19 @@ def magnitude_mask(weight: np.ndarray, sparsity: float | None = None, *,
 
 
 def find_prunable(structure, keep_dense: Iterable[str] = ()) -> list:
-    """The prunable layers (METHODS §C1): every Conv and the head Gemm / MatMul, in
-    topological order.
+    """The prunable layers (METHODS §C1, §D): every Conv and every Gemm / MatMul (hidden
+    linear layers and the head alike), in topological order.
 
     All of them count in the budget's N (METHODS §C3: a fraction of all prunable weights);
     ``keep_dense`` is only validated here and handed to :func:`allocate_sparsity`,
     which leaves those layers dense.  Layers the graph analysis marks unprunable
-    (computed weights, ConvTranspose) are skipped.
+    (computed weights, ConvTranspose, Gemm with transA) are skipped.
 
     Raises:
         OnnxDiagError: a ``keep_dense`` name is not a prunable layer (the message lists them).
     """
-    layers = [la for la in structure.layers if la.prunable and (
-        la.op_type == "Conv" or (la.is_head and la.op_type in ("Gemm", "MatMul")))]
+    layers = [la for la in structure.layers
+              if la.prunable and la.op_type in PRUNABLE_OPS]
     check_layer_names(keep_dense, [la.node_name for la in layers], "--keep-dense")
     return layers
 

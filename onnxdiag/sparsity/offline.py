@@ -127,13 +127,15 @@ def sampled_columns(op, x: np.ndarray, kernel: tuple[int, ...], positions: int |
     seed=seed, sample_indices=[sample_indices[i]])`` (flat, row-major over the output).
     When ``positions`` is None or the output has at most ``positions`` positions, this is
     exactly :func:`~onnxdiag.sparsity.offline.conv_columns` (every position, in order).
-    Linear layers: every row (:func:`~onnxdiag.sparsity.offline.layer_columns`).
+    Linear layers: up to ``positions`` tokens per input (:func:`sampled_rows`).
     ``x_last``: the same input channels-last ``(n, *spatial, C)`` if at hand (ONNX Runtime
     transposes it during the capture pass, far faster than NumPy on a busy machine); each
     patch is then kh·kw gathered C-vectors, zero where it reaches into the padding.
     """
-    if op.kind != "conv" or positions is None:
+    if positions is None:
         return layer_columns(op, x, kernel)[0]
+    if op.kind != "conv":
+        return sampled_rows(x, positions, seed=seed, sample_indices=sample_indices)
     x = np.asarray(x, dtype=np.float32)
     if len(kernel) == 1:
         op = type(op)(op.name, "conv", (1, *op.stride), (0, op.pads[0], 0, op.pads[1]),
@@ -167,6 +169,29 @@ def sampled_columns(op, x: np.ndarray, kernel: tuple[int, ...], positions: int |
     m = rows.shape[0]
     patches = patches.reshape(m, kernel[0], kernel[1], op.groups, c // op.groups)
     return patches.transpose(0, 3, 4, 1, 2).reshape(m, op.groups, -1)
+
+
+def sampled_rows(x: np.ndarray, positions: int, *, seed: int, sample_indices) -> np.ndarray:
+    """Rows ``(n·k, 1, n_in)`` of a linear layer's input at k sampled tokens per input.
+
+    METHODS §D: a linear layer's positions are the leading axes of its input. ``x`` is
+    ``(n, *tokens, n_in)`` with the batch first, or ``(n·T, n_in)`` with the batch
+    flattened batch-major (GPT-2's ``view(-1, n_embd)``); input i's tokens are
+    ``draw_positions(T, positions, seed=seed, sample_indices=[sample_indices[i]])``, all of
+    them in order when T ≤ ``positions`` (an MLP's (n, n_in) input: one row per input).
+    Rows are input-major. When the rows do not split evenly over the n inputs, every row.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    n = len(sample_indices)
+    rows = int(np.prod(x.shape[:-1]))
+    if n == 0 or rows % n:
+        return x.reshape(-1, 1, x.shape[-1])
+    per_input = x.reshape(n, rows // n, x.shape[-1])
+    if rows // n <= positions:
+        return per_input.reshape(-1, 1, x.shape[-1])
+    tokens = draw_positions(rows // n, positions, seed=seed, sample_indices=sample_indices)
+    picked = per_input[np.arange(n)[:, None], tokens]  # (n, k, n_in)
+    return picked.reshape(-1, 1, x.shape[-1])
 
 
 def evaluate_layer(op: LayerOp, x: np.ndarray, weight: np.ndarray,

@@ -2,24 +2,28 @@
 
 Methods (``METHODS``): ``none``; ``bn`` (BN recalibration); ``cr`` / ``layer-cr`` /
 ``shrunk-cr`` (channel-wise, one-scalar-per-layer and shrunk variance matching) and
-each of them ``+bn``.  Per repaired Conv ℓ (pre-BN output y, σ / μ over images ×
-positions, unbiased):
+each of them ``+bn``.  Per repaired layer ℓ — a Conv, or a Gemm / MatMul (METHODS §D:
+channels = output features, positions = every leading axis) — with pre-BN output y and
+σ / μ over samples × positions (unbiased):
 
 - channel CR: α_c = min(cap, σ^d_c / (σ^p_c + 1e-8)); layer CR: one α = σ^d / (σ^p + 1e-8)
   with σ² the mean of the channel variances; shrunk CR: λ_c = r_c / (r_c + median r),
-  r_c = σ^p²/σ^d², log α_c ← λ_c log α_c.  α scales the conv's output-channel weights
-  and its bias (the conv's bias input or the constant of its bias Add).
+  r_c = σ^p²/σ^d², log α_c ← λ_c log α_c.  α scales the layer's output channels (a conv's
+  output-channel weights, a linear layer's weight columns / rows) and its bias (the
+  node's bias input or the constant of its bias Add); :mod:`.fold` does the writing.
 - BN recalibration: each BatchNormalization's mean / variance ← the batch statistics of
   its input (unbiased variance) in the pruned, upstream-repaired model.
-- Conv without BN (folded by the exporter, or absent) with a ``bn`` part: the affine
+- A layer without BN (folded by the exporter, or absent) with a ``bn`` part: the affine
   y' = (y − μ^p)·α + μ^d (α from the CR variant; for ``bn`` the channel α) folded into
-  the conv's weights and bias (a bias input is added when there is none).
+  its weights and bias (a bias is added when there is none) — for a linear layer only in
+  a model without LayerNorm: under LayerNorm there is nothing to re-standardise, so a BN
+  part acts on no linear layer and the record's ``notes`` say so (METHODS §D).
 
-Only what pruning changed is touched (**our default**, ``recalibrate="affected"``): convs
+Only what pruning changed is touched (**our default**, ``recalibrate="affected"``): layers
 and BNs downstream of a pruned weight; ``recalibrate="all"`` recalibrates every BN.
-The head is pruned but never rescaled (METHODS §C1 repairs Conv outputs).
+The head is pruned but never rescaled (**our default**, METHODS §C1).
 
-Cost: one dense pass (dense σ, μ of the repaired convs) plus one sequential pass run in
+Cost: one dense pass (dense σ, μ of the repaired layers) plus one sequential pass run in
 segments (:class:`~onnxdiag.sparsity.segments.SegmentedPass`): every node once per
 calibration image, one ONNX Runtime session per measurement point.
 """
@@ -35,41 +39,23 @@ from ..errors import DataError, OnnxDiagError
 from ..graph import GraphIndex
 from ..graph._records import jsonable
 from ..model.edit import ModelEditor
-from ..model.expose import expose_tensors
-from ..runtime.runner import OrtRunner
 from ..stats import Moments
-from .masks import write_masks
+from .fold import (  # noqa: F401 - LayerRepair, cr_alpha, channel_rows re-exported
+    CR_EPS,
+    LayerRepair,
+    add_missing_bias,
+    channel_rows,
+    cr_alpha,
+    dense_moments,
+    fold_repair,
+    has_layer_norm,
+    uses_affine,
+)
+from .masks import PRUNABLE_OPS, write_masks
 from .segments import SegmentedPass
 
 METHODS = ("none", "bn", "cr", "cr+bn", "layer-cr", "layer-cr+bn", "shrunk-cr", "shrunk-cr+bn")
 RECALIBRATE = ("affected", "all")
-CR_EPS = 1e-8
-
-
-@dataclass(frozen=True, eq=False)
-class LayerRepair:
-    """What was folded into one conv: y' = alpha·y + shift (per output channel).
-
-    ``kind``: "scale" (CR; a BN follows or no BN part was asked) or "affine" (no BN:
-    CR and re-standardisation in one).  Arrays are (C,); ``shift`` is zeros for "scale".
-    """
-
-    layer: str
-    kind: str
-    alpha: np.ndarray
-    shift: np.ndarray
-    sigma_dense: np.ndarray
-    sigma_pruned: np.ndarray
-    n_capped: int
-
-    def to_dict(self, *, arrays: bool = False) -> dict:
-        d = {"layer": self.layer, "kind": self.kind, "n_capped": self.n_capped,
-             "alpha_min": float(self.alpha.min()), "alpha_median": float(np.median(self.alpha)),
-             "alpha_max": float(self.alpha.max())}
-        if arrays:
-            d.update({k: jsonable(getattr(self, k)) for k in (
-                "alpha", "shift", "sigma_dense", "sigma_pruned")})
-        return d
 
 
 @dataclass(frozen=True, eq=False)
@@ -124,25 +110,6 @@ def parse_method(method: str) -> tuple[str | None, bool]:
     return kind, with_bn
 
 
-def cr_alpha(kind: str, var_dense: np.ndarray, var_pruned: np.ndarray,
-             cap: float = 100.0) -> np.ndarray:
-    """α (C,) of a CR variant (METHODS §C1) from per-channel dense / pruned variances."""
-    vd, vp = np.maximum(var_dense, 0.0), np.maximum(var_pruned, 0.0)
-    if kind == "layer":
-        a = np.full(vd.shape, np.sqrt(vd.mean()) / (np.sqrt(vp.mean()) + CR_EPS))
-    else:
-        a = np.sqrt(vd) / (np.sqrt(vp) + CR_EPS)
-    a = np.minimum(a, cap)
-    if kind == "shrunk":
-        with np.errstate(divide="ignore", invalid="ignore"):
-            r = np.where(vd > 0, vp / np.where(vd > 0, vd, 1.0), np.inf)
-            med = float(np.median(r[np.isfinite(r)])) if np.isfinite(r).any() else 0.0
-            lam = np.where(np.isinf(r), 1.0, np.divide(r, r + med, out=np.ones_like(r),
-                                                       where=(r + med) > 0))
-            a = np.where(a > 0, np.exp(lam * np.log(np.where(a > 0, a, 1.0))), 0.0)
-    return a
-
-
 def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *,
                  method: str = "cr+bn", alpha_cap: float = 100.0, n_images: int | None = None,
                  recalibrate: str = "affected", providers=None, threads: int | None = None
@@ -157,7 +124,8 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
         method: one of ``METHODS``; alpha_cap: CR's cap on α (**our default** 100).
 
     Returns the repaired copy (``model`` is never modified; masks and repairs are one
-    edit, checked once by ``ModelEditor.finish``) and its :class:`RepairRecord`.
+    edit, checked once by ``ModelEditor.finish``) and its :class:`RepairRecord`, whose
+    ``notes`` say when a BN part had nothing to act on (linear layers of a LayerNorm model).
     """
     cr_kind, with_bn = parse_method(method)
     if recalibrate not in RECALIBRATE:
@@ -165,42 +133,95 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
     editor = ModelEditor(model)
     write_masks(editor, masks)
     batches = collect_batches(calib_source, n_images)
+    plan = _plan(editor, structure, masks, method, recalibrate)
+    n = sum(_batch_len(b) for b in batches)
+    passes = {"dense": int(bool(plan.layers)), "sequential": int(bool(plan.layers or plan.bns)),
+              "segments": 0}
+    if not (plan.layers or plan.bns):
+        return editor.finish(), RepairRecord(method, alpha_cap, recalibrate, n, {}, {}, passes,
+                                             plan.notes)
+    dense = dense_moments(model, plan.dense_layers, batches, providers, threads)
+    done_layers, done_bns, passes["segments"] = _sequential(
+        editor, batches, plan.layers, dense, plan.bns, cr_kind, plan.affine, alpha_cap,
+        providers, threads)
+    return editor.finish(), RepairRecord(method, alpha_cap, recalibrate, n, done_layers,
+                                         done_bns, passes, plan.notes)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one repair touches: ``layers`` as the sequential pass measures them (a MatMul
+    given a bias Add reads its ``<output>_prebias``), ``dense_layers`` the same layers'
+    records in the dense model, ``affine`` {layer: folded-BN affine?}, ``bns`` the
+    BatchNormalization nodes to recalibrate, ``notes``."""
+
+    layers: list
+    dense_layers: list
+    affine: dict
+    bns: list
+    notes: tuple
+
+
+def _plan(editor: ModelEditor, structure, masks, method, recalibrate) -> _Plan:
+    """The layers and BNs downstream of a pruned weight (or every BN with
+    ``recalibrate="all"``); MatMuls that need a shift get their bias Add here."""
+    cr_kind, with_bn = parse_method(method)
     index = editor.index
     affected = _affected(index, [n for n, m in masks.items() if not np.all(m)])
-    convs = [la for la in structure.layers if la.node_name in masks and la.op_type == "Conv"
-             and not la.is_head and la.output in affected]
-    repaired = [la for la in convs if cr_kind or (with_bn and la.bn_node is None)]
-    bns = [n for n in index.nodes if with_bn and n.op_type == "BatchNormalization"
-           and (recalibrate == "all" or n.input[0] in affected)]
-    n = sum(_batch_len(b) for b in batches)
-    passes = {"dense": int(bool(repaired)), "sequential": int(bool(repaired or bns)),
-              "segments": 0}
-    if not (repaired or bns):
-        return editor.finish(), RepairRecord(method, alpha_cap, recalibrate, n, {}, {}, passes)
-    dense = _dense_moments(model, repaired, batches, providers, threads)
-    done_layers, done_bns, passes["segments"] = _sequential(
-        editor, index, batches, repaired, dense, bns, cr_kind, with_bn, alpha_cap, providers,
-        threads)
-    return editor.finish(), RepairRecord(method, alpha_cap, recalibrate, n, done_layers,
-                                         done_bns, passes)
+    pruned = [la for la in structure.layers if la.node_name in masks and not la.is_head
+              and la.op_type in PRUNABLE_OPS and la.output in affected]
+    layer_norm = has_layer_norm(index)
+    affine = {la.node_name: uses_affine(la, with_bn, layer_norm) for la in pruned}
+    repaired = [la for la in pruned if cr_kind or affine[la.node_name]]
+    staged = [add_missing_bias(editor, la) if affine[la.node_name] else la for la in repaired]
+    bns = [node for node in editor.index.nodes if with_bn
+           and node.op_type == "BatchNormalization"
+           and (recalibrate == "all" or node.input[0] in affected)]
+    note = linear_bn_note(method, pruned, layer_norm)
+    return _Plan(staged, repaired, affine, bns, () if note is None else (note,))
 
 
-def _sequential(editor, index, batches, convs, dense, bns, cr_kind, with_bn, alpha_cap,
+def linear_bn_note(method: str, layers, layer_norm: bool) -> str | None:
+    """Why the BN part of ``method`` leaves ``layers``' linear layers alone, or None: in a
+    LayerNorm model there is no BatchNormalization to recalibrate after them and nothing
+    to re-standardise (METHODS §D); only a CR part acts there."""
+    cr_kind, with_bn = parse_method(method)
+    idle = [la for la in layers if la.op_type != "Conv" and la.bn_node is None
+            and not la.is_head]
+    if not (with_bn and layer_norm and idle):
+        return None
+    then = ("only its CR part acts on them" if cr_kind else
+            "they stay unrepaired; --repair cr is the label-free repair there")
+    return (f"repair {method!r}: BN recalibration has nothing to act on in {len(idle)} "
+            "linear layer(s): no BatchNormalization follows them and LayerNorm has no "
+            f"statistics to recalibrate (docs/METHODS.md §D); {then}")
+
+
+def repair_notes(model: onnx.ModelProto, layers, methods) -> list[str]:
+    """:func:`linear_bn_note` of each of ``methods`` for the prunable ``layers`` of
+    ``model`` (what a sweep's repairs will not do), without repeats."""
+    layer_norm = has_layer_norm(GraphIndex(model))
+    notes = (linear_bn_note(m, layers, layer_norm) for m in methods)
+    return list(dict.fromkeys(n for n in notes if n))
+
+
+def _sequential(editor, batches, layers, dense, bns, cr_kind, affine, alpha_cap,
                 providers, threads) -> tuple[dict, dict, int]:
-    """Repair ``convs`` (to ``dense`` moments) and recalibrate ``bns`` of the model in
-    ``editor`` in topological order, each measured with the upstream repairs in place;
-    returns (LayerRepair per conv, BNRepair per BN, sessions run)."""
+    """Repair ``layers`` (to ``dense`` moments; ``affine`` {name: bool}) and recalibrate
+    ``bns`` of the model in ``editor`` in topological order, each measured with the
+    upstream repairs in place; returns (LayerRepair per layer, BNRepair per BN, sessions)."""
     seg = SegmentedPass(editor.model, batches, providers=providers, threads=threads)
-    items = sorted([(seg.position(la.output), 0, i) for i, la in enumerate(convs)]
+    items = sorted([(seg.position(la.output), 0, i) for i, la in enumerate(layers)]
                    + [(seg.position(b.input[0]), 1, i) for i, b in enumerate(bns)])
     done_layers, done_bns = {}, {}
     for pos, kind, i in items:
-        tensor = convs[i].output if kind == 0 else bns[i].input[0]
+        tensor = layers[i].output if kind == 0 else bns[i].input[0]
         seg.run_to(pos, keep=[tensor])
         if kind == 0:
-            la = convs[i]
-            done_layers[la.node_name] = _repair_conv(
-                seg, editor, index, la, dense[la.node_name], cr_kind, with_bn, alpha_cap)
+            la = layers[i]
+            done_layers[la.node_name] = fold_repair(
+                seg.frontier, editor, la, dense[la.node_name], cr_kind, affine[la.node_name],
+                alpha_cap)
         else:
             done_bns[bns[i].name] = _recalibrate_bn(seg, editor, bns[i])
     return done_layers, done_bns, seg.n_segments
@@ -250,22 +271,29 @@ def recalibrate_batchnorm(model: onnx.ModelProto, calib_source, *, dense_model=N
     if folded:
         full = dense_moments if dense_moments is not None else conv_output_moments(
             dense_model, batches, head=head, providers=providers, threads=threads)
-        missing = [la.node_name for la in folded if la.node_name not in full]
-        if missing:
-            raise OnnxDiagError(f"Conv {missing[0]!r} is not a conv without BN in the dense "
-                                "model; pass the model this one was pruned from.")
-        kept_channels = kept_channels or {}
-        for la in folded:
-            keep = kept_channels.get(la.node_name, range(la.n_out))
-            if len(keep) != la.n_out:
-                raise OnnxDiagError(f"Conv {la.node_name!r} has {la.n_out} output channels "
-                                    f"but {len(keep)} kept channels were given.")
-            dense[la.node_name] = full[la.node_name].select(keep)
-    done_layers, done_bns, segments = _sequential(editor, index, batches, folded, dense, bns,
-                                                  None, True, alpha_cap, providers, threads)
+        dense = _kept_moments(folded, full, kept_channels or {})
+    done_layers, done_bns, segments = _sequential(
+        editor, batches, folded, dense, bns, None, {la.node_name: True for la in folded},
+        alpha_cap, providers, threads)
     return editor.finish(), RepairRecord("bn", alpha_cap, "all", n, done_layers, done_bns,
                              {"dense": int(bool(folded)), "sequential": 1,
                               "segments": segments}, tuple(notes))
+
+
+def _kept_moments(folded, full: dict, kept_channels: dict) -> dict:
+    """The dense moments of the channels each conv in ``folded`` still has."""
+    missing = [la.node_name for la in folded if la.node_name not in full]
+    if missing:
+        raise OnnxDiagError(f"Conv {missing[0]!r} is not a conv without BN in the dense "
+                            "model; pass the model this one was pruned from.")
+    dense = {}
+    for la in folded:
+        keep = kept_channels.get(la.node_name, range(la.n_out))
+        if len(keep) != la.n_out:
+            raise OnnxDiagError(f"Conv {la.node_name!r} has {la.n_out} output channels "
+                                f"but {len(keep)} kept channels were given.")
+        dense[la.node_name] = full[la.node_name].select(keep)
+    return dense
 
 
 def conv_output_moments(model: onnx.ModelProto, batches: list[dict], *, head: str | None = None,
@@ -273,7 +301,7 @@ def conv_output_moments(model: onnx.ModelProto, batches: list[dict], *, head: st
     """Per-channel output moments of every non-head Conv without a BatchNormalization of
     ``model`` over ``batches`` (feed dicts), by node name: the dense statistics that
     :func:`recalibrate_batchnorm` re-standardises pruned convs to."""
-    return _dense_moments(model, _convs_without_bn(model, head), batches, providers, threads)
+    return dense_moments(model, _convs_without_bn(model, head), batches, providers, threads)
 
 
 def _convs_without_bn(model: onnx.ModelProto, head: str | None) -> list:
@@ -316,84 +344,20 @@ def _affected(index: GraphIndex, pruned_layers: list[str]) -> set[str]:
     return seen
 
 
-def channel_rows(x: np.ndarray) -> np.ndarray:
-    """(n, C, *spatial) or (n, C) → (n·Π spatial, C) float64 (channel axis 1)."""
-    x = np.asarray(x, dtype=np.float64)
-    return np.moveaxis(x, 1, -1).reshape(-1, x.shape[1])
-
-
-def _moments(arrays: list[np.ndarray]) -> Moments:
-    acc = None
-    for a in arrays:
-        rows = channel_rows(a)
-        if acc is None:
-            acc = Moments(rows.shape[1], full=False)
-        acc.update(rows)
-    return acc
-
-
-def _dense_moments(model, layers, batches, providers, threads) -> dict[str, Moments]:
-    if not layers:
-        return {}
-    names = [la.output for la in layers]
-    runner = OrtRunner(expose_tensors(model, names), providers=providers, threads=threads)
-    outs = [runner.run(b, names) for b in batches]
-    return {la.node_name: _moments([o[la.output] for o in outs]) for la in layers}
-
-
-def _repair_conv(seg: SegmentedPass, editor: ModelEditor, index: GraphIndex, layer,
-                 dense: Moments, cr_kind, with_bn: bool, cap: float) -> LayerRepair:
-    node = index.get_node(layer.node_name)
-    pruned = _moments(seg.frontier[layer.output])
-    vd, vp = dense.var(), pruned.var()
-    affine = with_bn and layer.bn_node is None
-    alpha = cr_alpha(cr_kind or "channel", vd, vp, cap)
-    w = _value(editor, node.input[1])
-    editor.set_input(node.name, 1, (w * alpha.reshape(-1, *[1] * (w.ndim - 1))).astype(w.dtype))
-    add_node, bias_pos = _bias_holder(index, layer, node)
-    holder = add_node or node
-    b = _value(editor, holder.input[bias_pos]) if bias_pos is not None else None
-    b_flat = np.zeros(alpha.shape) if b is None else b.astype(np.float64).reshape(-1)
-    shift = np.zeros(alpha.shape)
-    if affine:  # y_full' = α (y_full − μ^p_full) + μ^d_full, μ_full = μ(y) + Add bias
-        extra = b_flat if add_node is not None else 0.0
-        shift = (dense.mean + extra) - alpha * (pruned.mean + extra)
-    if b is not None or affine:
-        new_b = alpha * b_flat + shift
-        dtype = w.dtype if b is None else b.dtype
-        shape = (-1,) if b is None else b.shape
-        editor.set_input(holder.name, 2 if bias_pos is None else bias_pos,
-                         new_b.reshape(shape).astype(dtype))
-    in_conv = shift if add_node is None else np.zeros(alpha.shape)
-    scale = alpha.reshape(1, -1, *[1] * (w.ndim - 2)).astype(np.float32)
-    offset = in_conv.reshape(1, -1, *[1] * (w.ndim - 2)).astype(np.float32)
-    seg.frontier[layer.output] = [(y * scale + offset).astype(y.dtype)
-                                  for y in seg.frontier[layer.output]]
-    return LayerRepair(layer.node_name, "affine" if affine else "scale", alpha, shift,
-                       np.sqrt(vd), np.sqrt(vp), int(np.sum(alpha >= cap)))
-
-
-def _bias_holder(index: GraphIndex, layer, node) -> tuple:
-    """(Add node or None, input position of the bias in it / in the conv, or None)."""
-    if len(node.input) > 2 and node.input[2]:
-        return None, 2
-    if layer.bias_node:
-        add = index.get_node(layer.bias_node)
-        return add, list(add.input).index(layer.bias)
-    return None, None
-
-
-def _value(editor: ModelEditor, name: str) -> np.ndarray:
-    value = editor.value(name)  # initializers, Identity / Constant sources
-    if value is None:
-        raise OnnxDiagError(f"Tensor {name!r} is not a constant; cannot fold a repair into it.")
-    return value
-
-
 def _recalibrate_bn(seg: SegmentedPass, editor: ModelEditor, bn) -> BNRepair:
-    acc = _moments(seg.frontier[bn.input[0]])
+    acc = Moments(bn_channels(seg.frontier[bn.input[0]]), full=False)
+    for x in seg.frontier[bn.input[0]]:
+        acc.update(channel_rows(x))
     mean, var = acc.mean, acc.var()
     for pos, value in ((3, mean), (4, var)):
-        old = _value(editor, bn.input[pos])
+        old = editor.value(bn.input[pos])
+        if old is None:
+            raise OnnxDiagError(f"Tensor {bn.input[pos]!r} is not a constant; cannot "
+                                f"recalibrate BatchNormalization {bn.name!r}.")
         editor.set_input(bn.name, pos, value.reshape(old.shape).astype(old.dtype))
     return BNRepair(bn.name, mean, var, acc.n)
+
+
+def bn_channels(arrays) -> int:
+    """The channel count (axis 1) of a BatchNormalization's input batches."""
+    return int(np.shape(arrays[0])[1])

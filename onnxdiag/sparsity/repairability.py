@@ -15,13 +15,15 @@ restored to its mean, error σ^d² (**our default** for that 0/0; σ^p < 1e-6·�
 Only the per-channel moments of (y^d, y^d − y^p) are accumulated, batch by batch (memory
 O(L·|grid|·C)).
 
-Position sampling (``positions``, **our default** 16 per image): a conv's moments are
+Position sampling (``positions``, **our default** 16 per input): a conv's moments are
 taken over ``positions`` output positions per image drawn by
 :func:`onnxdiag.stats.draw_positions` (a counter-based hash of (seed, image index, draw),
 with replacement; the same positions for an image whatever batch it arrives in), and
-only those positions' patches are gathered.  A layer whose output has at most
-``positions`` positions per image, every linear layer, and ``positions=None`` / "all"
-use every position (exact).  The sampled moments estimate the all-position ones; RR
+only those positions' patches are gathered; a linear layer's positions are its input's
+tokens (METHODS §D: the leading axes after the batch), drawn alike
+(:func:`~onnxdiag.sparsity.offline.sampled_rows`).  A layer with at most ``positions``
+positions per input (an MLP's layers: one) and ``positions=None`` / "all" use every
+position (exact).  The sampled moments estimate the all-position ones; RR
 is then a ratio of estimates (see benchmarks/sections/issue5_bench.md for the measured
 error on the bundled model).
 """
@@ -118,8 +120,9 @@ def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int
         model: the dense model (never modified); source: a DataSource (``batches()``) or
             an iterable of feed dicts; the first ``n_images`` samples are used.
         grid: sparsities (sorted, in [0, 1)); masks are :func:`magnitude_mask` at each s.
-        positions: conv output positions per image whose patches enter the moments
-            (seeded draw, see the module docstring); None or "all": every position (exact).
+        positions: conv output positions per image whose patches enter the moments, or
+            tokens per input of a linear layer (seeded draw, see the module docstring);
+            None or "all": every position (exact).
         seed: seed of the position draw (image i's positions depend on (seed, i) only).
         executor: an :class:`onnxdiag.runtime.executor.Executor`: unless it runs
             ``in_process``, after the capture pass each layer's folding runs as one unit

@@ -20,6 +20,7 @@ from ..errors import DataError, OnnxDiagError
 from ..model.expose import expose_tensors
 from ..runtime.runner import OrtRunner
 from .allocation import RULES, allocate_sparsity
+from .budget import NO_PRUNABLE
 from .masks import describe_layers, find_prunable, make_masks, read_weights
 from .repair import METHODS, repair_model
 from .transition import cts, cts_band, transition_band
@@ -158,8 +159,7 @@ class Pruner:
         self.keep_dense = tuple(self.keep_dense)
         self.layers = find_prunable(self.structure, self.keep_dense)
         if not self.layers:
-            raise OnnxDiagError("The model has no prunable layer (Conv, or a Gemm / MatMul "
-                                "head); `onnxdiag inspect MODEL` shows its layers.")
+            raise OnnxDiagError(NO_PRUNABLE)
         self.infos = describe_layers(self.model, self.layers)
         self.weights = read_weights(self.model, self.layers)
         self.head = self.structure.head
