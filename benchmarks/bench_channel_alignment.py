@@ -8,8 +8,9 @@
    each width; median ms per run. ONNX Runtime's blocked (NCHWc) CPU convolutions work in
    channel blocks (MLAS NchwcBlockSize: 16 with AVX-512F, 8 with AVX2).
 2. The model pruned by magnitude (uniform budget) at each ratio with --round-to off / 8 /
-   16: FLOPs ratio and ORT CPU latency at batch 1 and 32 (median of --repeats runs, after
-   a warm-up; emit.measure_latency), source model alongside.
+   16, emitted as prune-channels writes it (Conv+BN folded): FLOPs ratio and ORT CPU
+   latency at batch 1 and 32, 1 intra-op thread, median of --repeats single runs
+   interleaved with the source's (runtime.latency.compare_latency), source alongside.
 """
 
 from __future__ import annotations
@@ -65,10 +66,14 @@ def width_sweep(widths, repeats: int) -> list[tuple[int, float]]:
 
 
 def pruned_latency(model_path: str, ratios, repeats: int) -> list[dict]:
+    """Per (ratio, --round-to): FLOPs ratio, kept widths and the emitted model's latency
+    against the source, interleaved at 1 intra-op thread (runtime.latency.compare_latency;
+    the emitted model as prune-channels writes it: Conv+BN folded)."""
     from onnxdiag.graph import analyze_structure
     from onnxdiag.model.finalize import finalize_model
     from onnxdiag.model.io import get_input_specs, load_model
-    from onnxdiag.runtime.latency import measure_latency
+    from onnxdiag.model.optimize import optimize_for_inference
+    from onnxdiag.runtime.latency import compare_latency
     from onnxdiag.structured import magnitude_scores, plan_pruning, prune_channels
 
     model = load_model(model_path)
@@ -77,22 +82,20 @@ def pruned_latency(model_path: str, ratios, repeats: int) -> list[dict]:
     shape = [d if isinstance(d, int) else 1 for d in spec.shape[1:]]
     x = np.random.default_rng(0).random((32, *shape), dtype=np.float32)
     feeds = {1: {spec.name: x[:1]}, 32: {spec.name: x}}
-    def latency(net):
-        return {int(k): v for k, v in measure_latency(net, feeds, repeats=repeats).items()}
-
-    source = latency(model)
     mags = magnitude_scores(model, structure)
-    rows = []
+    rows, source = [], {}
     for ratio in ratios:
         for round_to in (None, 8, 16):
             plan = plan_pruning(model, structure, mags, ratio, round_to=round_to)
             pruned, record = prune_channels(model, structure, plan.removed)
-            ms = latency(finalize_model(pruned))
+            emitted = optimize_for_inference(finalize_model(pruned))[0]
+            lat = compare_latency(model, emitted, feeds, rounds=repeats, threads=1)
+            source = {int(k): v for k, v in lat["source"].items()}
             widths = sorted({after for _, after in record.widths.values()})
             rows.append({"ratio": ratio, "round_to": round_to or "-",
                          "flops": record.flops_after / record.flops_before,
-                         "widths": widths, "b1": ms[1], "b32": ms[32],
-                         "speedup_b1": source[1] / ms[1], "speedup_b32": source[32] / ms[32]})
+                         "widths": widths, "b1": lat["emitted"]["1"], "b32": lat["emitted"]["32"],
+                         "speedup_b1": lat["speedup"]["1"], "speedup_b32": lat["speedup"]["32"]})
     return source, rows
 
 

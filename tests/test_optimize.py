@@ -92,6 +92,19 @@ def test_what_cannot_be_folded_stays_and_a_shared_weight_is_copied():
     assert not rec.changed and _ops(none).count("BatchNormalization") == 2
 
 
+def test_a_computed_weight_is_not_folded():
+    """A Conv whose weight is dequantized at run time keeps its BN: folding would store the
+    weight in float32 (a QDQ model would grow 4×)."""
+    g = GraphBuilder(0)
+    q = g.init("w_q", g.rng.integers(-100, 100, (4, 3, 3, 3)).astype(np.int8))
+    w = g.node("DequantizeLinear", [q, g.init("w_scale", np.float32(0.01))], "dq")
+    c = g.node("Conv", ["x", w], "c0", pads=[1] * 4)
+    g.gemm(g.pool_flatten(g.bn(c, "bn0", 4)), "head", 4, corpus.N_CLASSES, out="logits")
+    model = g.model([image_input()], [logits_output()])
+    out, record = optimize_for_inference(model)
+    assert not record.folded and "BatchNormalization" in _ops(out)
+
+
 def _redundant():
     """Identity, inference Dropout, Cast to float, an identity Transpose, a Transpose pair
     that cancels, one that composes, a Reshape pair, a same-shape Flatten and Reshape, and the graph

@@ -320,8 +320,8 @@ def _measure(path, source, emitted, record, plan, sources, runtime) -> dict:
         structure.head), "data": "evaluation" if evaluation is not None else "calibration"}
     x = example_input(get_input_specs(m), verify)
     # one intra-op thread: two sessions' spinning thread pools interleaved on a shared
-    # machine measure each other (benchmarks/RESULTS.md, pruned-model latency)
-    latency = compare_latency(m, pruned, {1: x[:1], 32: x}, threads=1, rounds=9)
+    # machine measure each other (benchmarks/bench_prune.py)
+    latency = compare_latency(m, pruned, {1: x[:1], 32: x}, threads=1)
     is_file = isinstance(path, (str, os.PathLike)) and Path(path).is_file()
     reason = removal_reason(structure, budget=plan.budget, ratio=plan.ratio, plan=plan)
     return {

@@ -3,10 +3,10 @@
 :func:`optimize_for_inference` returns a copy of a model with
 
 - every Conv + BatchNormalization pair folded into the Conv (``fold_bn``): the BN reads
-  the Conv's output, that output has no other reader and is no graph output, and both
-  hold constants; W'[c] = W[c]·s_c, b'_c = (b_c − μ_c)·s_c + β_c, s_c = γ_c/√(σ²_c + ε),
-  computed in float64 and stored in the weights' type, so the outputs change by float
-  rounding only;
+  the Conv's output, that output has no other reader and is no graph output, the Conv's
+  weight is stored (an initializer, not computed) and the BN's parameters are constants:
+  W'[c] = W[c]·s_c, b'_c = (b_c − μ_c)·s_c + β_c, s_c = γ_c/√(σ²_c + ε), computed in
+  float64 and stored in the weights' type, so the outputs change by float rounding only;
 - redundant nodes removed (``simplify``): Identity, inference Dropout, Cast to the
   input's own type, Transpose with the identity permutation, Reshape / Flatten whose
   output shape is its input shape, a Transpose after a Transpose (composed into one, or
@@ -103,6 +103,8 @@ def _foldable(index: GraphIndex, bn, keep: set):
             or not conv.name or _sole_reader(index, bn.input[0]) != bn.name \
             or bn.input[0] in keep or conv.output[0] in index.outputs:
         return None
+    if index.source_initializer(conv.input[1]) is None:
+        return None  # a computed weight (e.g. dequantized): folding would store it in float
     weight = index.get_constant(conv.input[1])
     bias = index.get_constant(conv.input[2]) if len(conv.input) > 2 and conv.input[2] else None
     params = [index.get_constant(name) for name in bn.input[1:]]

@@ -43,14 +43,15 @@ def measure_latency(model, feeds_by_batch: dict[int, dict], *, repeats: int = 20
     return out
 
 
-def compare_latency(source, emitted, feeds_by_batch: dict[int, dict], *, rounds: int = 15,
-                    threads: int | None = None, round_ms: float = 4.0) -> dict:
+def compare_latency(source, emitted, feeds_by_batch: dict[int, dict], *, rounds: int = 21,
+                    threads: int | None = None) -> dict:
     """Interleaved ONNX Runtime CPU latency of two models (ms per run, per batch size).
 
-    Each round times a block of runs of ``source``, then of ``emitted`` (blocks sized to
-    about ``round_ms``), so load on a shared machine hits both alike. Returns
-    {"source": {batch: median ms}, "emitted": {...}, "speedup": {batch: ratio of the
-    medians}, "speedup_iqr": {batch: [q25, q75] of the per-round ratios}, "rounds",
+    Each round runs each model once, in alternating order, after two warm-up runs: single
+    runs are shorter than a scheduler time slice, so on a loaded machine most of them run
+    unpreempted and the median is the model's own time, and load hits both models alike.
+    Returns {"source": {batch: median ms}, "emitted": {...}, "speedup": {batch: ratio of
+    the medians}, "speedup_iqr": {batch: [q25, q75] of the per-round ratios}, "rounds",
     "threads" (None: ONNX Runtime's default)}; batches as strings."""
     from .runner import OrtRunner
 
@@ -58,28 +59,19 @@ def compare_latency(source, emitted, feeds_by_batch: dict[int, dict], *, rounds:
     out = {"source": {}, "emitted": {}, "speedup": {}, "speedup_iqr": {}, "rounds": rounds,
            "threads": threads}
     for batch, feeds in feeds_by_batch.items():
-        blocks = [_block_size(r, feeds, round_ms) for r in runners]
-        times = np.array([[_timed(r, feeds, n) for r, n in zip(runners, blocks)]
-                          for _ in range(rounds)])
-        ratio = times[:, 0] / times[:, 1]
+        for runner in runners:
+            runner.run(feeds)
+            runner.run(feeds)
+        times = np.zeros((rounds, 2))
+        for r in range(rounds):
+            for k in ((0, 1) if r % 2 == 0 else (1, 0)):
+                t0 = time.perf_counter()
+                runners[k].run(feeds)
+                times[r, k] = time.perf_counter() - t0
         src, emt = (1000 * float(np.median(times[:, k])) for k in (0, 1))
         key = str(batch)
         out["source"][key], out["emitted"][key] = src, emt
         out["speedup"][key] = src / emt if emt > 0 else None
-        out["speedup_iqr"][key] = [float(q) for q in np.percentile(ratio, [25, 75])]
+        out["speedup_iqr"][key] = [float(q) for q in
+                                   np.percentile(times[:, 0] / times[:, 1], [25, 75])]
     return out
-
-
-def _block_size(runner, feeds: dict, round_ms: float) -> int:
-    """Runs per timed block: about ``round_ms`` of work, after two warm-up runs."""
-    runner.run(feeds)
-    once = _timed(runner, feeds, 1)
-    return max(1, min(1000, int(round_ms / 1000 / max(once, 1e-7))))
-
-
-def _timed(runner, feeds: dict, n: int) -> float:
-    """Mean seconds per run over ``n`` runs."""
-    t0 = time.perf_counter()
-    for _ in range(n):
-        runner.run(feeds)
-    return (time.perf_counter() - t0) / n
