@@ -26,7 +26,7 @@ SMOKES = {
     "bench_core.py": (None, ["channels_output_taps", "peak RSS"]),
     "bench_readouts.py": ("torch", ["torch pipeline", "head-gradient norm"]),
     "bench_executor.py": ("ray", ["Ray start-up", "Identical readouts"]),
-    "bench_prune.py": (None, ["channels removed 64/128", "| batch | threads |"]),
+    "bench_prune.py": (None, ["channels removed ", "| batch | threads | clock |"]),
     "bench_prune_sweep.py": (None, ["| score | kept 0.75 | kept 0.50 |", "FLOPs ratio"]),
     "bench_rr.py": (None, ["RR curves, exact", "naive (prune, full network"]),
     "bench_selection.py": (None, ["Targets: `labels`", "Targets: `expected`", "Baselines"]),

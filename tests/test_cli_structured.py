@@ -88,6 +88,42 @@ def test_plan_replays_to_the_same_bytes_and_only_on_its_model(tiny, tmp_path):
                       "The plan was made for model", tmp_path / "c.onnx", tmp_path / "r3")
 
 
+def test_emitted_model_folds_bn_by_default_and_equals_the_unfolded_one(tiny, tmp_path):
+    """Default: no BatchNormalization left in the emitted model, its logits equal the
+    --no-fold-bn model's to 1e-5 relative, the sidecar lists the folded pairs and the
+    check against the unfolded model, and both settings replay their plan to the same
+    bytes; the report gives the max |Δlogit| against the source."""
+    folder, model, data = tiny
+    plan = tmp_path / "plan.json"
+    folded, kept = tmp_path / "f.onnx", tmp_path / "k.onnx"
+    result = run("prune-channels", model, "--ratio", 0.5, "--score", "magnitude",
+                 "--eval-data", data, "-o", folded, "--plan-out", plan, "--out", tmp_path / "r1")
+    assert result.exit_code == 0, result.output
+    assert run("prune-channels", model, "--plan", plan, "--no-fold-bn", "-o", kept,
+               "--out", tmp_path / "r2").exit_code == 0
+    f, k = onnx.load(folded), onnx.load(kept)
+    onnx.checker.check_model(f, full_check=True)
+    bn = [n.name for n in k.graph.node if n.op_type == "BatchNormalization"]
+    assert len(bn) == 6 and not any(n.op_type == "BatchNormalization" for n in f.graph.node)
+    x = {"x": np.load(data)["x"][:64]}
+    a, b = corpus.run_ort(k, x)["logits"], corpus.run_ort(f, x)["logits"]
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5 * np.abs(a).max())
+    side = json.loads((tmp_path / "f.onnx.json").read_text())
+    opt = side["optimization"]
+    assert opt["fold_bn"] is True and sorted(p[1] for p in opt["folded"]) == sorted(bn)
+    assert opt["max_rel_output_diff"] < 1e-5
+    assert json.loads((tmp_path / "k.onnx.json").read_text())["optimization"]["folded"] == []
+    assert side["comparison"]["max_abs_logit_diff"] > 0
+    text = (tmp_path / "r1" / "report.txt").read_text()
+    assert "6 Conv+BatchNormalization pairs folded" in text and "max |Δlogit|" in text
+    assert "--no-fold-bn" in (tmp_path / "r2" / "report.txt").read_text()
+    for flag, first in (("--fold-bn", folded), ("--no-fold-bn", kept)):
+        again = tmp_path / f"again{flag}.onnx"
+        assert run("prune-channels", model, "--plan", plan, flag, "-o", again,
+                   "--out", tmp_path / f"r{flag}").exit_code == 0
+        assert again.read_bytes() == first.read_bytes()
+
+
 def test_reference_budget_reuses_another_plans_counts(tiny, tmp_path):
     folder, model, data = tiny
     ref = tmp_path / "ref.json"
@@ -209,13 +245,14 @@ def test_prune_sweep_refusals(tiny, tmp_path):
 def test_prune_channels_recalibrate_bn_sets_the_pruned_models_bn_statistics(tiny, tmp_path):
     """--recalibrate-bn: the emitted model's BNs hold the mean / unbiased variance of their
     inputs in the emitted model itself on --data; the sidecar records the recalibration
-    and the accuracy before recovery; the text says what recovered it."""
+    and the accuracy before recovery; the text says what recovered it. (--no-fold-bn keeps
+    the BNs in the emitted model, to read their statistics.)"""
     from onnxdiag.graph import GraphIndex
 
     folder, model, data = tiny
     out = tmp_path / "bn.onnx"
     result = run("prune-channels", model, "--ratio", 0.5, "--score", "magnitude", "--data",
-                 data, "--eval-data", data, "--recalibrate-bn", "-o", out,
+                 data, "--eval-data", data, "--recalibrate-bn", "--no-fold-bn", "-o", out,
                  "--out", tmp_path / "rep")
     assert result.exit_code == 0, result.output
     side = json.loads((tmp_path / "bn.onnx.json").read_text())

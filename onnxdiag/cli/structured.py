@@ -128,6 +128,11 @@ def _records(kw: dict):
 @click.option("--plan", "plan", default=None,
               help="Replay this plan JSON (hash-checked against MODEL) instead of scoring.")
 @click.option("--plan-out", default=None, help="Also write the plan as JSON.")
+@click.option("--fold-bn/--no-fold-bn", default=True, show_default=True,
+              help="Fold every Conv+BatchNormalization pair into the Conv and drop redundant "
+                   "Reshape/Transpose/identity nodes in the emitted model (outputs change by "
+                   "float rounding only, checked); --no-fold-bn emits the pruned graph as it "
+                   "is, BatchNormalization kept.")
 @data_roles()
 @sampling_options
 @runtime_options()

@@ -8,8 +8,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import OnnxDiagError
-from ..report import SCHEMA_VERSION, build_metadata, render_table, rows_to_csv
-from ..report.text import fmt3
+from ..report import SCHEMA_VERSION, build_metadata, rows_to_csv
 from ..structured.choice import DEFAULT_ALPHA, DEFAULT_BETA, STAT_SCORES, layer_scores, stat_scores
 from .base import (
     CommandResult,
@@ -34,6 +33,7 @@ from .channel_pruning import (
     removal_reason,
     resolve_round_to,
 )
+from .prune_channels_text import render_prune, width_notes
 
 COMMAND = "prune-channels"
 
@@ -51,7 +51,9 @@ class ChannelPruneOptions:
     JSON to replay (hash-checked) instead of scoring; ``plan_out``: also write the plan.
     ``round_to``: keep a multiple of N channels per narrowed group (an int, "auto" or
     None). ``targets``: target of the channel statistics (auto, labels, pseudo).
-    ``seed``: ties, the random score and the statistics' spatial samples.
+    ``seed``: ties, the random score and the statistics' spatial samples. ``fold_bn``:
+    the emitted model has every Conv+BatchNormalization pair folded and redundant
+    Reshape/Transpose/identity nodes removed (False: emitted as pruned).
     """
 
     ratio: float = 0.5
@@ -65,6 +67,7 @@ class ChannelPruneOptions:
     round_to: int | str | None = None
     targets: str = "auto"
     seed: int = 0
+    fold_bn: bool = True
 
 
 def prune_channels_report(model, *, output, data=None, eval_data=None, train_data=None,
@@ -78,8 +81,10 @@ def prune_channels_report(model, *, output, data=None, eval_data=None, train_dat
     ``output``: the model file to write; a sidecar ``<output>.json`` goes beside it with
     the report section: ``source`` and ``emitted`` (path, hash, size, params, FLOPs),
     ``checks``, ``comparison`` with the source, ``latency_ms`` (CPU, batch 1 and 32),
-    ``accuracy`` (on ``eval_data``: source, emitted, before recovery), the plan and
-    ``nothing_removed`` (why, when no channel could be removed). ``data``: calibration
+    ``accuracy`` (on ``eval_data``: source, emitted, before recovery), the plan,
+    ``optimization`` (``options.fold_bn``: the Conv+BN pairs folded, the nodes removed,
+    the check against the unfolded model) and ``nothing_removed`` (why, when no channel
+    could be removed). ``data``: calibration
     data (scores from channel statistics, ``recovery.recalibrate_bn``); ``eval_data``:
     labelled evaluation data; ``train_data``: for ``recovery.finetune``. Data arguments
     are DataRequests or plain paths / arrays. Never overwrites an input; an existing
@@ -106,17 +111,16 @@ def prune_channels_report(model, *, output, data=None, eval_data=None, train_dat
     pruned, p_struct, record, steps = _prune_and_recover(
         m, structure, the_plan, (calib, evaluation, train), recovery,
         (options.seed, head, runtime))
-    section = _measure(model, (m, structure), (pruned, p_struct), record, the_plan,
+    feeds = dict(example_input(specs, evaluation or calib)[:8])
+    emitted, e_struct, optimization = _optimize(pruned, (structure, p_struct), head,
+                                                options.fold_bn, _check_feeds(specs, feeds))
+    section = _measure(model, (m, structure), (emitted, e_struct), record, the_plan,
                        (calib, evaluation), runtime)
     section["accuracy"]["before_recovery"] = steps.pop("before_recovery")
-    section.update(steps, notes=notes + section["notes"] + _width_notes(
-        record, p_struct, the_plan.settings.get("round_to")))
-    feeds = dict(example_input(specs, evaluation or calib)[:8])
-    info = _emit(pruned, output, model, section, protect, feeds)
-    if options.plan_out:
-        from ..structured import save_plan
-
-        save_plan(the_plan, options.plan_out)
+    section.update(steps, optimization=optimization, notes=notes + section["notes"]
+                   + width_notes(record, p_struct, the_plan.settings.get("round_to")))
+    info = _emit(emitted, output, model, section, protect, feeds)
+    _save_plan(the_plan, options.plan_out)
     meta = build_metadata(command=COMMAND, model_path=model, model_hash=info["source"]["sha256"],
                           data=describe_sources(calibration=calib, evaluation=evaluation,
                                                 training=train),
@@ -124,11 +128,22 @@ def prune_channels_report(model, *, output, data=None, eval_data=None, train_dat
                                                  data=data, eval_data=eval_data,
                                                  train_data=train_data))
     text = render_header(meta) + render_prune(info)
-    widths = [{"layer": name, "channels_before": w[0], "channels_after": w[1]}
-              for name, w in (info["record"].get("widths") or {}).items()]
     return finish(COMMAND, {"schema": SCHEMA_VERSION, "metadata": meta, "prune_channels": info},
-                  text, folder, report.overwrite, csv=rows_to_csv(widths),
-                  csv_name="layers.csv")
+                  text, folder, report.overwrite, csv=_widths_csv(info), csv_name="layers.csv")
+
+
+def _save_plan(plan, path) -> None:
+    """Write ``plan`` as JSON to ``path`` (``--plan-out``; nothing when None)."""
+    if path:
+        from ..structured import save_plan
+
+        save_plan(plan, path)
+
+
+def _widths_csv(info: dict) -> str:
+    """layers.csv: each narrowed layer's channels before and after."""
+    return rows_to_csv([{"layer": name, "channels_before": w[0], "channels_after": w[1]}
+                        for name, w in (info["record"].get("widths") or {}).items()])
 
 
 def _inputs(model, options, requests) -> list:
@@ -256,12 +271,45 @@ def _prune_and_recover(m, structure, plan, sources, recovery: Recovery, how):
     return pruned, p_struct, record, steps
 
 
+def _optimize(pruned, structures, head: HeadChoice, fold_bn: bool, feeds: dict):
+    """(the model to emit, its structure, the section's ``optimization`` record): with
+    ``fold_bn``, Conv+BN folded and redundant nodes removed, the head's tensors kept, and
+    the result checked against ``pruned`` on ``feeds`` (float rounding only)."""
+    from ..model.optimize import check_equivalent, optimize_for_inference
+
+    structure, p_struct = structures
+    info = {"fold_bn": fold_bn, "folded": [], "removed": [], "max_abs_output_diff": None,
+            "max_rel_output_diff": None}
+    if not fold_bn:
+        return pruned, p_struct, info
+    h = p_struct.head
+    keep = () if h is None else [t for t in (h.features, h.logits, h.scores, h.output) if t]
+    emitted, record = optimize_for_inference(pruned, keep=keep)
+    if not record.changed:
+        return pruned, p_struct, info
+    info.update(record.to_dict(), **check_equivalent(pruned, emitted, feeds))
+    return emitted, pruned_structure(emitted, structure, head), info
+
+
+def _check_feeds(specs, feeds: dict) -> dict:
+    """``feeds`` when they hold data, else seeded standard-normal ones (zeros would not
+    exercise the folded weights)."""
+    import numpy as np
+
+    if any(np.any(v) for v in feeds.values()):
+        return feeds
+    rng = np.random.default_rng(0)
+    return {s.name: rng.standard_normal(feeds[s.name].shape).astype(feeds[s.name].dtype)
+            if np.issubdtype(feeds[s.name].dtype, np.floating) else feeds[s.name]
+            for s in specs}
+
+
 def _measure(path, source, emitted, record, plan, sources, runtime) -> dict:
     """The section's measurements: source, comparison, latency, accuracy, notes;
     ``source`` / ``emitted``: (model, structure)."""
     from ..evaluate import compare_models, evaluate, make_head_runner
     from ..model.io import get_input_specs, model_hash
-    from ..runtime.latency import measure_latency
+    from ..runtime.latency import compare_latency
 
     (m, structure), (pruned, p_struct) = source, emitted
     calib, evaluation = sources
@@ -271,8 +319,9 @@ def _measure(path, source, emitted, record, plan, sources, runtime) -> dict:
         make_head_runner(pruned, p_struct.head, providers=runtime.providers), verify,
         structure.head), "data": "evaluation" if evaluation is not None else "calibration"}
     x = example_input(get_input_specs(m), verify)
-    source_ms = measure_latency(m, {1: x[:1], 32: x})
-    emitted_ms = measure_latency(pruned, {1: x[:1], 32: x})
+    # one intra-op thread: two sessions' spinning thread pools interleaved on a shared
+    # machine measure each other (benchmarks/bench_prune.py)
+    latency = compare_latency(m, pruned, {1: x[:1], 32: x}, threads=1)
     is_file = isinstance(path, (str, os.PathLike)) and Path(path).is_file()
     reason = removal_reason(structure, budget=plan.budget, ratio=plan.ratio, plan=plan)
     return {
@@ -280,18 +329,17 @@ def _measure(path, source, emitted, record, plan, sources, runtime) -> dict:
         "source": {"path": str(path) if is_file else None, "sha256": model_hash(m),
                    "file_bytes": os.path.getsize(path) if is_file else None,
                    "params": record.params_before, "flops": record.flops_before},
+        "emitted": {"params": p_struct.n_params, "flops": p_struct.flops},
         "comparison": comparison,
-        "latency_ms": {"source": source_ms, "emitted": emitted_ms,
-                       "speedup": {b: safe_ratio(source_ms[b], emitted_ms[b]) for b in source_ms},
-                       "providers": "cpu"},
+        "latency_ms": {**latency, "providers": "cpu"},
         "accuracy": {"source": _dict(evaluate(m, structure.head, evaluation,
                                               providers=runtime.providers)),
                      "emitted": _dict(evaluate(pruned, p_struct.head, evaluation,
                                                providers=runtime.providers))},
         "notes": [] if reason is None else [f"nothing removed: {reason}"],
         "plan": plan.to_dict(), "record": record.to_dict(), "nothing_removed": reason,
-        "flops_ratio": safe_ratio(record.flops_after, record.flops_before),
-        "params_ratio": safe_ratio(record.params_after, record.params_before)}
+        "flops_ratio": safe_ratio(p_struct.flops, record.flops_before),
+        "params_ratio": safe_ratio(p_struct.n_params, record.params_before)}
 
 
 def _dict(evaluation):
@@ -305,15 +353,13 @@ def _emit(pruned, output, model, section, protect, feeds) -> dict:
     from ..model.finalize import emit_model
 
     order = ("tool", "source", "emitted", "checks", "comparison", "latency_ms", "accuracy",
-             "notes", "nothing_removed", "plan", "record", "recalibration", "finetune",
-             "flops_ratio", "params_ratio")
+             "notes", "nothing_removed", "plan", "record", "optimization", "recalibration",
+             "finetune", "flops_ratio", "params_ratio")
 
     def complete(info):
         return {**{k: info.get(k) for k in order}, "file_size_ratio": safe_ratio(
             info["emitted"]["file_bytes"], info["source"]["file_bytes"])}
 
-    section = {**section, "emitted": {"params": section["record"]["params_after"],
-                                      "flops": section["record"]["flops_after"]}}
     return emit_model(pruned, output, source_path=model, sidecar=section, protect=protect,
                       verify_feeds=feeds, complete=complete)
 
@@ -323,68 +369,3 @@ def _parameters(output, options, recovery, head, runtime, **requests) -> dict:
     return {"output": str(output), **asdict(options), "recovery": asdict(recovery),
             "head": asdict(head), "providers": runtime.providers,
             **{role: None if r is None else r.params() for role, r in requests.items()}}
-
-
-# -- text -------------------------------------------------------------------------------------
-def _width_notes(record, pruned_structure, round_to) -> list[str]:
-    """A hint when narrowed convs keep widths off ONNX Runtime's CPU channel block."""
-    from ..runtime.latency import cpu_conv_block
-
-    block = cpu_conv_block()
-    if not block or (round_to and round_to % block == 0):
-        return []
-    convs = {la.node_name for la in pruned_structure.layers if la.op_type == "Conv"}
-    off = sorted(name for name, (_, after) in record.widths.items()
-                 if name in convs and after % block)
-    if not off:
-        return []
-    return [f"{len(off)} of the {len(record.widths)} narrowed layers keep a width that is "
-            f"not a multiple of {block} (e.g. {off[0]}: {record.widths[off[0]][1]}); ONNX "
-            f"Runtime's blocked CPU convolutions (block {block} on this CPU) run such widths "
-            f"at the cost of the next multiple or slower: a plan made with --round-to {block} "
-            "keeps multiples (benchmarks/RESULTS.md, channel alignment)."]
-
-
-def render_prune(info: dict) -> str:
-    """The text of a prune-channels section (the sidecar dict)."""
-    plan, lat, acc = info["plan"], info["latency_ms"], info["accuracy"]
-    rows = [{"": name, "params": info[key]["params"], "FLOPs": info[key]["flops"],
-             "file bytes": info[key]["file_bytes"], "ms b=1": lat[key]["1"],
-             "ms b=32": lat[key]["32"],
-             "top-1 %": None if not acc[key] else 100 * acc[key]["accuracy"]}
-            for name, key in (("source", "source"), ("pruned", "emitted"))]
-    removed = (f"{sum(len(v) for v in plan['removed'].values())} of "
-               f"{sum(plan['n_channels'].values())} channels removed")
-    lines = ["== Structured pruning (docs/METHODS.md §B6) ==",
-             f"score {plan['score']}, budget {plan['budget']}, ratio {plan['ratio']}: "
-             f"{removed} -> {info['emitted']['path']}",
-             render_table(rows).rstrip(),
-             f"FLOPs ratio {fmt3(info['flops_ratio'])}, params ratio "
-             f"{fmt3(info['params_ratio'])}, file-size ratio {fmt3(info.get('file_size_ratio'))}"
-             f", CPU speed-up b=1 {fmt3(lat['speedup']['1'])}x, "
-             f"b=32 {fmt3(lat['speedup']['32'])}x"]
-    lines += _recovery_lines(info)
-    cmp_ = info.get("comparison")
-    if cmp_:
-        lines.append(f"top-1 agreement with the source {100 * cmp_['top1_agreement']:.1f} % on "
-                     f"{cmp_['n_samples']} {cmp_['data']} samples")
-    lines += [f"note: {n}" for n in info.get("notes", [])]
-    return "\n".join(lines) + "\n"
-
-
-def _recovery_lines(info: dict) -> list[str]:
-    lines = []
-    before, after = info["accuracy"].get("before_recovery"), info["accuracy"].get("emitted")
-    if before and after:
-        steps = " + ".join(name for name, on in (("BN recalibration", info.get("recalibration")),
-                                                 ("fine-tuning", info.get("finetune"))) if on)
-        lines.append(f"top-1 of the pruned model {100 * before['accuracy']:.2f} % before "
-                     f"recovery, {100 * after['accuracy']:.2f} % after {steps}")
-    rcl = info.get("recalibration")
-    if rcl:
-        lines.append(f"BN recalibration: {len(rcl['bns'])} BatchNormalization nodes"
-                     + (f" and {len(rcl['layers'])} convs without BN re-standardised"
-                        if rcl["layers"] else "")
-                     + f" on {rcl['n_images']} calibration images"
-                     + "".join(f"; {n}" for n in rcl.get("notes", [])))
-    return lines
