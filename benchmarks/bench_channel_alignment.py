@@ -122,6 +122,11 @@ def main() -> None:
     print("| ratio | --round-to | FLOPs ratio | kept widths | ms b=1 | ms b=32 | speed-up b=1 "
           "| speed-up b=32 |\n|---|---|---:|---|---:|---:|---:|---:|")
     for r in rows:
+        if r["round_to"] != "-" and any(w % r["round_to"] for w in r["widths"]):
+            raise SystemExit(f"CONSISTENCY CHECK FAILED: --round-to {r['round_to']} kept "
+                             f"widths {r['widths']}")
+    print("check ok: every narrowed width under --round-to N is a multiple of N")
+    for r in rows:
         print(f"| {r['ratio']} | {r['round_to']} | {r['flops']:.3f} | "
               f"{','.join(map(str, r['widths'])) or '(none narrowed)'} | {r['b1']:.3f} | "
               f"{r['b32']:.3f} | {r['speedup_b1']:.2f}x | {r['speedup_b32']:.2f}x |")

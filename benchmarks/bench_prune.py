@@ -256,6 +256,16 @@ def images(n: int) -> np.ndarray:
         return np.random.default_rng(0).random((n, 1, 28, 28), dtype=np.float32)
 
 
+def _check_folded(result: dict, x: np.ndarray) -> None:
+    """Consistency: the emitted (folded, cleaned) model computes the BN-kept pruned one."""
+    a = session(result["models"]["pruned"], 1).run(None, {"input": x})[0]
+    b = session(result["models"]["emitted"], 1).run(None, {"input": x})[0]
+    diff = float(np.abs(a - b).max() / (np.abs(a).max() + 1e-12))
+    if not diff <= 1e-4:
+        raise SystemExit(f"CONSISTENCY CHECK FAILED: folded model differs by {diff:.3g}")
+    print(f"check ok: emitted model equals the BN-kept pruned model (max rel |Δ| {diff:.2g})")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
@@ -288,6 +298,7 @@ def main(argv=None) -> int:
         load = f.read().split()[:3]
     print(f"{platform.platform()}, onnxruntime {ort.__version__}, load average "
           f"{' '.join(load)} at start")
+    _check_folded(result, x)
     rows = measure(result["models"], x, args)
     print_summary(f"{name}, ratio {args.ratio}, --round-to {args.round_to}", result, rows)
     prof = profile(result, x) if args.profile else None
