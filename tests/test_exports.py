@@ -82,3 +82,22 @@ def test_readouts_through_the_cli_on_a_zipmap_export(folder, tmp_path):
     result = run("readouts", export.path, "--data", data, "--out", tmp_path / "r")
     assert result.exit_code == 0, result.output
     assert "head_grad" in result.output and "[W]" not in result.output
+
+
+def test_prune_on_a_zipmap_export_emits_a_checked_model(folder, tmp_path):
+    """skl2onnx's default MLP export (ZipMap on): prune emits a model whose reload check
+    compares the ZipMap outputs (a sequence of maps) key by key."""
+    import json
+
+    from cli_helpers import run
+
+    export = exports.sklearn_mlp(folder)
+    n = len(next(iter(export.feeds.values())))
+    data = tmp_path / "digits.npz"
+    np.savez(data, **export.feeds, labels=np.zeros(n, dtype=np.int64))
+    out = tmp_path / "p.onnx"
+    result = run("prune", export.path, "--sparsity", "0.5", "--data", data, "-o", out,
+                 "--out", tmp_path / "r")
+    assert result.exit_code == 0, result.output
+    checks = json.loads(out.with_name("p.onnx.json").read_text())["checks"]
+    assert checks["onnxruntime_load"] == "passed" and checks["max_abs_output_diff"] == 0.0
