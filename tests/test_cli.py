@@ -234,3 +234,23 @@ def test_verbose_is_a_group_option_and_does_not_leak(monkeypatch):
     result = run("-vv", "inspect", "--json")
     assert result.exit_code == 0, result.output
     assert "ONNXDIAG_VERBOSE" not in os.environ  # restored after the command
+
+
+def test_every_report_records_the_runtime_and_providers(tmp_path):
+    """README: every report states the ONNX Runtime distribution and the providers in use."""
+    import json
+
+    from onnxdiag.data.sample import get_sample
+
+    s = get_sample()
+    runs = {"channels": [s.model, "--data", s.calibration, "--limit", 64],
+            "lesion": [s.model, "--layer", "/stem/stem.0/Conv", "--sample", 1, "--eval-data",
+                       s.evaluation],
+            "prune": [s.model, "--sparsity", 0.5, "--data", s.calibration, "--limit", 64,
+                      "-o", tmp_path / "p.onnx"]}
+    for verb, args in runs.items():
+        result = run(verb, *args, "--providers", "cpu", "--out", tmp_path / verb)
+        assert result.exit_code == 0, result.output
+        meta = json.loads((tmp_path / verb / "report.json").read_text())["metadata"]
+        assert meta["providers"] == ["CPUExecutionProvider"], verb
+        assert meta["onnxruntime"]["version"], verb

@@ -31,22 +31,24 @@ def _targets_option(help: str):
                  "(pseudo, flagged in the report); auto = labels when the data has them.")
 @click.option("--task-samples", type=click.Choice(["match", "gap"]), default="match",
               show_default=True,
-              help="T repeated per sampled position (match) or per-image spatial means (gap).")
+              help="T repeated per sampled position or token (match) or per-input means (gap).")
 @click.option("--positions", "n_positions", type=click.IntRange(min=1), default=16,
-              show_default=True, help="Spatial positions sampled per image.")
+              show_default=True,
+              help="Positions sampled per input: spatial positions of a conv's output, tokens "
+                   "of a linear layer's (all of them when there are fewer).")
 @click.option("--peers", "k_peers", type=click.IntRange(min=1), default=10, show_default=True,
               help="Peers in the ridge reconstruction R^2.")
 @click.option("--ridge", type=float, default=1e-3, show_default=True,
               help="Ridge of the peer reconstruction.")
 @click.option("--layer", "layers", multiple=True,
-              help="Analyse only this layer (repeatable; default: every conv with >= 4 "
-                   "channels).")
+              help="Analyse only this layer (repeatable; default: every conv and linear layer "
+                   "with >= 4 output channels, the head excluded).")
 @click.option("--tap", type=click.Choice(["auto", "output", "input"]), default="auto",
               show_default=True,
-              help="Where a layer's samples come from: its conv output as ONNX Runtime "
-                   "computes it, or the conv evaluated in float64 at the sampled positions "
-                   "from its input; auto = input where that copies far fewer values out of "
-                   "the session (e.g. a first conv on a grey image).")
+              help="Where a layer's samples come from: its output as ONNX Runtime computes "
+                   "it, or the layer evaluated in float64 at the sampled positions from its "
+                   "input; auto = input where that copies far fewer values out of the session "
+                   "(e.g. a first conv on a grey image).")
 @output_options
 def channels(models, **kw):
     """Two-axis channel information (docs/METHODS.md §B): local substitutability vs task

@@ -108,7 +108,8 @@ def channels_report(models, *, data, options: ChannelsOptions = ChannelsOptions(
               "data": request.params(), "head": head.head, "features": head.features,
               "providers": runtime.providers, "executor": runtime.executor_name(),
               "jobs": runtime.jobs, "defaults": DEFAULTS}
-    meta = build_metadata(command="channels", parameters=params, model_path=models[-1],
+    meta = build_metadata(providers=runtime.providers,
+                          command="channels", parameters=params, model_path=models[-1],
                           model_hash=per_model[-1].sha256,
                           data={"calibration": per_model[-1].stats.data})
     meta["model_hashes"] = [m.sha256 for m in per_model]

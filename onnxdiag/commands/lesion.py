@@ -97,7 +97,8 @@ def lesion_report(model, *, data=None, eval_data, options: LesionOptions,
               "data": None if request is None else request.params(),
               "eval_data": eval_request.params(), "head": head.head,
               "features": head.features, "providers": runtime.providers}
-    meta = build_metadata(command="lesion", parameters=params, model_path=model,
+    meta = build_metadata(providers=runtime.providers,
+                          command="lesion", parameters=params, model_path=model,
                           model_hash=model_hash(m),
                           data=describe_sources(calibration=source, evaluation=evaluation))
     out = {"schema": SCHEMA_VERSION, "metadata": meta, "lesion": section}

@@ -121,7 +121,8 @@ def prune_channels_report(model, *, output, data=None, eval_data=None, train_dat
                    + width_notes(record, p_struct, the_plan.settings.get("round_to")))
     info = _emit(emitted, output, model, section, protect, feeds)
     _save_plan(the_plan, options.plan_out)
-    meta = build_metadata(command=COMMAND, model_path=model, model_hash=info["source"]["sha256"],
+    meta = build_metadata(providers=runtime.providers,
+                          command=COMMAND, model_path=model, model_hash=info["source"]["sha256"],
                           data=describe_sources(calibration=calib, evaluation=evaluation,
                                                 training=train),
                           parameters=_parameters(output, options, recovery, head, runtime,

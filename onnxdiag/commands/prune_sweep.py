@@ -145,7 +145,8 @@ def prune_sweep_report(model, *, eval_data, data=None, train_data=None,
     section["failed"] = sorted(failed, key=lambda f: (scores.index(f["score"]), f["ratio"]))
     params = {**asdict(options), "ratios": ratios, "scores": scores,
               **_params(requests, recovery, head, runtime)}
-    meta = build_metadata(command=COMMAND, model_path=model, model_hash=model_hash(m),
+    meta = build_metadata(providers=runtime.providers,
+                          command=COMMAND, model_path=model, model_hash=model_hash(m),
                           data=describe_sources(calibration=calib, evaluation=evaluation,
                                                 training=train), parameters=params)
     meta["executor"] = ran_on

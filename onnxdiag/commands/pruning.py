@@ -184,7 +184,8 @@ def pruning_metadata(command: str, inputs: Inputs, options, *, runtime, head, da
               "defaults": DEFAULTS}
     if executor is not None:
         params.update(executor=runtime.executor_name(), jobs=runtime.jobs)
-    meta = build_metadata(command=command, parameters=params, model_path=inputs.path,
+    meta = build_metadata(providers=runtime.providers,
+                          command=command, parameters=params, model_path=inputs.path,
                           model_hash=model_hash(inputs.model),
                           data=describe_sources(calibration=inputs.calib,
                                                 evaluation=inputs.evaluation))

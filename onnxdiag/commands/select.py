@@ -84,7 +84,8 @@ def select_report(checkpoints, *, data, eval_data=None,
                   **run_parameters(dataclasses.replace(options, select_by=select_by), head,
                                    runtime, data=data, eval_data=eval_data),
                   "jobs": runtime.jobs, "executor": runtime.executor_name()}
-        meta = build_metadata(command="select", parameters=params, data=sources)
+        meta = build_metadata(providers=runtime.providers,
+                              command="select", parameters=params, data=sources)
         meta["executor"] = ran_on
         result = {"schema": SCHEMA_VERSION, "metadata": meta, "selection": section}
         text = render_selection(section, ok, select_by)

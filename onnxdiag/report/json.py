@@ -45,7 +45,7 @@ def to_json(report: dict) -> str:
 
 
 def build_metadata(*, command: str, parameters: dict, model_path=None, model_hash=None,
-                   runner=None, data=None) -> dict:
+                   runner=None, data=None, providers=None) -> dict:
     """Everything needed to reproduce and compare a run (every default echoed, docs/METHODS.md)."""
     import onnx
 
@@ -66,11 +66,12 @@ def build_metadata(*, command: str, parameters: dict, model_path=None, model_has
         meta["model_path"] = str(model_path)
     if model_hash is not None:
         meta["model_sha256"] = model_hash
-    if runner is not None:
-        from ..runtime.runner import ort_info
+    from ..runtime.runner import ort_info, resolve_providers
 
-        meta["onnxruntime"] = ort_info()
-        meta["providers"] = runner.providers
+    meta["onnxruntime"] = ort_info()
+    # the providers of the run's sessions: the runner's, else those ``providers`` resolve to
+    meta["providers"] = runner.providers if runner is not None else \
+        resolve_providers(providers)
     if data is not None:
         meta["data"] = data
     return meta
