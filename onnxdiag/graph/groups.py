@@ -33,11 +33,9 @@ from .layers import Layer
 from .norms import find_norms
 
 _LINEAR = ("Gemm", "MatMul")
-#: Why the transformer groups stay unprunable for now (their slicing is not implemented).
+#: Why the residual stream stays unprunable for now (its slicing is not implemented).
 NOT_YET = {"residual_stream": "the residual stream (docs/METHODS.md §D): structured pruning "
-                              "of it is not implemented yet",
-           "attention_heads": "attention heads (docs/METHODS.md §D): structured pruning of "
-                              "heads is not implemented yet"}
+                              "of it is not implemented yet"}
 
 
 @dataclass(frozen=True)
