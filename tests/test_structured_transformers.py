@@ -352,3 +352,18 @@ def test_prune_channels_cli_plan_replay_is_byte_exact_on_the_vit_sample(tmp_path
     assert run("prune-channels", VIT_SAMPLE, "--plan", plan, "-o", again, "--out",
                tmp_path / "r2").exit_code == 0
     assert first.read_bytes() == again.read_bytes()
+
+
+def test_prune_sweep_on_the_vit_sample_is_flops_matched(tmp_path):
+    data = ROOT / "models" / "sample"
+    result = run("prune-sweep", VIT_SAMPLE, "--data", data / "calib.npz", "--limit", 64,
+                 "--eval-data", data / "eval.npz", "--scores",
+                 "magnitude,ix,random", "--ratios", "0.25,0.5", "--out", tmp_path / "r",
+                 "--format", "json")
+    assert result.exit_code == 0, result.output
+    section = json.loads(result.stdout)["prune_sweep"]
+    assert section["flops_matched"] and not section["failed"]
+    for ratio in (0.25, 0.5):
+        cells = [r for r in section["rows"] if r["ratio"] == ratio]
+        assert len(cells) == 3 and len({r["flops_ratio"] for r in cells}) == 1
+        assert cells[0]["flops_ratio"] < 1 - ratio / 2
