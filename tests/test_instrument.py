@@ -112,3 +112,18 @@ def test_runner_turns_bad_feeds_into_data_error(model):
 
     with pytest.raises(DataError, match="rejected the data"):
         OrtRunner(model).run({"x": np.zeros((2, 3, 6, 6), np.float32)})
+
+
+def test_exposing_never_modifies_the_model_or_its_hash():
+    """graphsurgeon's import writes into the proto it reads; expose works on a copy (the
+    ViT sample's Constant nodes used to change the caller's model hash)."""
+    from pathlib import Path
+
+    from onnxdiag.model.expose import expose_tensors
+    from onnxdiag.model.io import load_model, model_hash
+
+    vit = Path(__file__).resolve().parents[1] / "models" / "vit" / "model.onnx"
+    model = load_model(vit)
+    before, data = model_hash(model), model.SerializeToString()
+    expose_tensors(model, [model.graph.node[3].output[0]])
+    assert model_hash(model) == before and model.SerializeToString() == data

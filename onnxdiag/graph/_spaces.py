@@ -114,12 +114,11 @@ class Tracker:
         for info in self._groups(space):
             info.kinds.add(kind)
 
-    def add_reshape(self, space: Space, record: tuple, reason: str) -> None:
-        """A Reshape whose shape constant holds a count of these channels (to rewrite
-        when they are pruned; not implemented yet, so it also blocks the group)."""
+    def add_reshape(self, space: Space, record: tuple) -> None:
+        """A Reshape whose shape constant holds a count of these channels (rewritten
+        when they are pruned, :mod:`onnxdiag.structured.counts`)."""
         for info in self._groups(space):
             info.reshapes.append(record)
-            info.reasons.append(reason)
 
     def add_member(self, seg: Segment, name: str, kind: str) -> None:
         if seg.group is not None:

@@ -44,7 +44,7 @@ def reshape_channels_last(t: Tracker, node: onnx.NodeProto, space: Space) -> Spa
 
 def _literal(t: Tracker, node: onnx.NodeProto, space: Space, position: int,
              meaning: str) -> None:
-    """Record (and block on) a shape constant holding the channel count literally."""
+    """Record a shape constant holding the channel count literally (to rewrite)."""
     raw = shape_value(t.index, node.input[1])
     if raw is None or position >= len(raw) or raw[position] != space.n_channels:
         return  # copied (0) or inferred (-1): nothing to rewrite
@@ -52,9 +52,7 @@ def _literal(t: Tracker, node: onnx.NodeProto, space: Space, position: int,
     if source is None:
         return  # computed from another tensor's shape: follows it
     record = (node.name, 1, position, space.n_channels, meaning, *source)
-    t.add_reshape(space, record, f"Reshape {node.name!r} holds the channel count "
-                                 f"{space.n_channels} as a constant (rewriting it when "
-                                 "channels are pruned is not implemented yet)")
+    t.add_reshape(space, record)
 
 
 def gather(t: Tracker, node: onnx.NodeProto, ins) -> Space | None:

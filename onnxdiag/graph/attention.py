@@ -125,9 +125,11 @@ def _step(index: GraphIndex, node, slot: int, tensor: str, width: int):
     target, shape = reshape_target(index, node), index.shape(tensor)
     if not target:
         return None
-    if target[-1] == width or (target[-1] is not None and shape and target[-1] == shape[-1]):
-        return [(node.output[0], 0, width, _record(index, node, len(target) - 1, width))]
     tail = target[rank - 1:]
+    one_head = len(tail) == 2 and tail[0] == 1 and tail[1] == width  # (…, 1, d): one head
+    if not one_head and (target[-1] == width or (target[-1] is not None and shape
+                                                 and target[-1] == shape[-1])):
+        return [(node.output[0], 0, width, _record(index, node, len(target) - 1, width))]
     if len(tail) in (2, 3) and all(isinstance(d, int) and d > 0 for d in tail) \
             and int(np.prod(tail)) == width and (len(tail) == 2 or tail[0] == 3):
         n_heads, head_dim = tail[-2], tail[-1]
@@ -137,20 +139,24 @@ def _step(index: GraphIndex, node, slot: int, tensor: str, width: int):
 
 
 def _split_parts(index: GraphIndex, node, rank, width: int):
+    """The parts of a Split along the features, each with the record of its size: input
+    1's constant element, or (opset < 13) the ``split`` attribute's (input index -1)."""
     axis = int(get_attr(node, "axis", 0))
     if rank is None or axis not in (-1, rank - 1):
         return None
-    sizes, source = get_attr(node, "split"), None
+    sizes, slot, source = get_attr(node, "split"), -1, None
     if sizes is None and len(node.input) > 1 and node.input[1]:
-        value = index.get_constant(node.input[1])
-        sizes, source = (None, None) if value is None else (value.ravel().tolist(), node.input[1])
-    if sizes is None:
-        sizes = [width // len(node.output)] * len(node.output)
+        value, slot, source = index.get_constant(node.input[1]), 1, node.input[1]
+        sizes = None if value is None else value.ravel().tolist()
+        if value is None:
+            return None
+    if sizes is None:  # equal parts: they follow the width
+        sizes, slot = [width // len(node.output)] * len(node.output), None
     if sum(sizes) != width or len(sizes) != len(node.output):
         return None
     starts = np.cumsum([0, *sizes[:-1]])
-    return [(out, int(s), int(n), () if source is None else
-             ((node.name, 1, k, int(n), "channels", source, k),))
+    return [(out, int(s), int(n), () if slot is None else
+             ((node.name, slot, k, int(n), "channels", source, k),))
             for k, (out, s, n) in enumerate(zip(node.output, starts, sizes)) if out]
 
 

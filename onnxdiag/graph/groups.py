@@ -33,11 +33,10 @@ from .layers import Layer
 from .norms import find_norms
 
 _LINEAR = ("Gemm", "MatMul")
-#: Why the transformer groups stay unprunable for now (their slicing is not implemented).
+#: Why the residual stream stays unprunable for now (its slicing is not implemented).
 NOT_YET = {"residual_stream": "the residual stream (docs/METHODS.md §D): structured pruning "
-                              "of it is not implemented yet",
-           "attention_heads": "attention heads (docs/METHODS.md §D): structured pruning of "
-                              "heads is not implemented yet"}
+                              "of it is not implemented yet (removing a channel changes what "
+                              "every LayerNorm normalises over)"}
 
 
 @dataclass(frozen=True)
@@ -73,7 +72,9 @@ class ChannelReshape:
     element ``position`` of input ``input_index`` of ``node_name`` is the literal
     ``value``, ``per_channel`` × the group's channel count; ``meaning`` "channels"
     (features) or "heads" (the head count); ``source`` / ``source_index``: the
-    constant (initializer or Constant node output) holding it."""
+    constant (initializer or Constant node output) holding it.  ``input_index`` −1: a
+    Split's ``split`` attribute (opset < 13; ``source`` None).  Pruning k channels makes
+    the literal ``value − k·per_channel`` (:mod:`onnxdiag.structured.counts`)."""
 
     node_name: str
     input_index: int

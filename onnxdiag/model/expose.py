@@ -31,7 +31,11 @@ def expose_tensors(model: onnx.ModelProto, tensor_names: Sequence[str]) -> onnx.
     Raises:
         OnnxDiagError: a name is not a tensor of the graph (the message lists a few).
     """
-    graph = gs.import_onnx(model)
+    # graphsurgeon's import writes into the proto it reads (e.g. names Constant-node
+    # tensors), so it reads a copy: the caller's model and its hash stay as they were.
+    source = onnx.ModelProto()
+    source.CopyFrom(model)
+    graph = gs.import_onnx(source)
     tensors = graph.tensors()
     missing = [n for n in tensor_names if n not in tensors]
     if missing:

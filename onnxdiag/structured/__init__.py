@@ -7,6 +7,10 @@
 - :func:`save_plan` / :func:`load_plan` / :func:`replay_plan` — plans as JSON, replayed
   to the same bytes on the same model.
 
+Transformer groups (docs/METHODS.md §D): an attention block's heads are one group channel
+each (head_dim features of Q, K, V and of the output projection's input);
+:mod:`.counts` rewrites the Reshape / Split literals that count heads or features.
+
 No function modifies its input model.
 """
 

@@ -6,6 +6,7 @@ two_axis, peer) from one channel-statistics pass."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 
 from ..errors import OnnxDiagError
 
@@ -38,10 +39,19 @@ def stat_scores(model, structure, source, *, targets="auto", seed=0, providers=N
     from ..channels.collect import collect_channel_moments
     from ..channels.layers import score_collected
 
+    # On a copy: the pass's model exposure (onnx-graphsurgeon's import) marks the tensors
+    # of Constant nodes as named "", which changes the model's hash (and a plan's).
+    model = _copy(model)
     stats = collect_channel_moments(model, structure, source, targets=targets, seed=seed,
                                     providers=providers,
                                     label="Channel statistics" if progress else None)
     return {name: s for name, (_, s, _) in score_collected(model, stats, structure).items()}
+
+
+def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    return copy
 
 
 def layer_scores(name: str, model, structure, channel_scores: dict | None, *,

@@ -118,7 +118,8 @@ def plan_pruning(model: onnx.ModelProto, structure: Structure, scores: Mapping,
             the groups it names).
         round_to: keep a multiple of this many channels in every group the budget
             narrows (the kept count rounded up, at most the group's size; the channels
-            spared are the best-scored of those the budget chose). ONNX Runtime's blocked
+            spared are the best-scored of those the budget chose; attention-head groups
+            are not rounded: a head is head_dim features already). ONNX Runtime's blocked
             CPU convs run widths that are not a multiple of their block (16 with AVX-512,
             8 with AVX2) at the cost of the next multiple or slower. None / 1: exact.
         features: the features tensor ``structure``'s head was named with, recorded so
@@ -165,8 +166,9 @@ def _choose(structure, scores, sizes, budget, ratio, counts, caps, seed, round_t
             {g: math.floor(ratio * n + _EPS) for g, n in sizes.items()}
         removed = {g: _lowest(group_scores[g], min(want.get(g, 0), limits[g]), rng)
                    for g in sizes}
-    if round_to is not None and round_to > 1:
-        removed = {g: _round_kept(chs, sizes[g], round_to, group_scores[g])
+    if round_to is not None and round_to > 1:  # heads are blocks already: left as chosen
+        removed = {g: chs if structure.groups[g].block_size > 1 else
+                   _round_kept(chs, sizes[g], round_to, group_scores[g])
                    for g, chs in removed.items()}
     return removed
 

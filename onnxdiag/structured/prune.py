@@ -26,6 +26,7 @@ from ..graph.index import get_attr
 from ..model.edit import ModelEditor
 from ..model.finalize import EditError
 from ..model.io import PROTOBUF_LIMIT
+from .counts import request_counts
 from .edit import ConstantEditor
 
 _OUT_AXIS = {"oihw": 0, "oi": 0, "io": 1}
@@ -62,7 +63,8 @@ class PruneRecord:
         params_before / params_after: floating-point initializer elements (Structure.n_params).
         flops_before / flops_after: Structure.flops (None when some layer's is unknown).
         copied: shared constants that were copied before slicing ("old -> new").
-        reshapes: Reshape nodes whose constant target shape was rewritten.
+        reshapes: Reshape (and Split) nodes whose constant sizes were rewritten: the
+            counts the groups record, then the Reshapes that followed a narrowed input.
     """
 
     groups: tuple[GroupCut, ...]
@@ -112,10 +114,11 @@ def prune_channels(model: onnx.ModelProto, structure: Structure,
     depthwise: dict[str, int] = defaultdict(int)
     for gid, channels in removed.items():
         _request_group(editor, structure.groups[gid], layers, channels, depthwise)
-    literal = _literal_reshapes(editor.index)
+    counted = request_counts(editor, structure.groups, removed)
+    literal = {k: v for k, v in _literal_reshapes(editor.index).items() if k not in counted}
     copied = editor.apply()
     _shrink_group_attr(model_editor, depthwise)
-    reshapes = _fix_reshapes(model_editor, literal)
+    reshapes = counted + _fix_reshapes(model_editor, literal)
     try:
         pruned = model_editor.finish(check=editor.verify)
     except EditError as exc:
@@ -157,7 +160,7 @@ def kept_output_channels(structure: Structure, removed: Mapping) -> dict[str, li
     for gid, channels in normalize_removed(structure, removed).items():
         group = structure.groups[gid]
         for member, offset in zip(group.members, group.member_offsets):
-            gone[member].update(offset + c for c in channels)
+            gone[member].update(_entries(channels, offset, group.block_size))
     return {name: [i for i in range(structure.get_layer(name).n_out) if i not in lost]
             for name, lost in gone.items()}
 
@@ -201,7 +204,7 @@ def _request_group(editor: ConstantEditor, group: ChannelGroup, layers: dict[str
     """Ask ``editor`` for every slice that removes ``channels`` of ``group``."""
     for member, offset in zip(group.members, group.member_offsets):
         layer = layers[member]
-        rows = [offset + c for c in channels]
+        rows = _entries(channels, offset, group.block_size)
         editor.remove(member, 1, _OUT_AXIS[layer.weight_layout], rows)
         if layer.bias is not None and layer.bias_node is None:
             axis = _bias_axis(editor.index, layer)
@@ -211,11 +214,17 @@ def _request_group(editor: ConstantEditor, group: ChannelGroup, layers: dict[str
             depthwise[member] += len(channels)
     for param in group.params:
         editor.remove(param.node_name, param.input_index, param.axis,
-                      [param.channel_offset + c for c in channels])
+                      _entries(channels, param.channel_offset, group.block_size))
     for consumer in group.consumers:
-        layer, block = layers[consumer.node_name], consumer.block_size
-        cols = [(consumer.channel_offset + c) * block + j for c in channels for j in range(block)]
+        layer = layers[consumer.node_name]
+        cols = _entries(channels, consumer.channel_offset, consumer.block_size)
         editor.remove(consumer.node_name, 1, _IN_AXIS[layer.weight_layout], cols)
+
+
+def _entries(channels: Sequence[int], offset: int, block: int) -> list[int]:
+    """The features of group ``channels`` at ``offset`` (in channels), ``block`` each
+    (head_dim for attention heads, the spatial size behind a Flatten)."""
+    return [(offset + c) * block + j for c in channels for j in range(block)]
 
 
 def _bias_axis(index: GraphIndex, layer: Layer) -> int | None:

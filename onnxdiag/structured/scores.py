@@ -63,7 +63,9 @@ def score_groups(structure: Structure, scores: Mapping,
 
     Layer-level scores (str keys) are min–max normalised per layer, then summed over
     the group's members (a member at offset o gives channels o … o+n−1); members
-    without scores are skipped.  Group-level scores (int keys) are used as given.
+    without scores are skipped.  An attention head (``block_size`` = head_dim) scores
+    the sum over its head_dim features of every member (its rows of Q, K and V).
+    Group-level scores (int keys) are used as given.
     NaN counts as the lowest score (a channel with no signal goes first), ±inf as the
     highest / lowest.
 
@@ -79,8 +81,8 @@ def score_groups(structure: Structure, scores: Mapping,
         if gid in by_group:
             out[gid] = _checked(by_group[gid], group.n_channels, f"group {gid}")
             continue
-        parts = [normalize_minmax(_checked(scores[m], structure.get_layer(m).n_out,
-                                           f"layer {m!r}"))[o:o + group.n_channels]
+        parts = [_blocks(normalize_minmax(_checked(scores[m], structure.get_layer(m).n_out,
+                                                   f"layer {m!r}")), o, group)
                  for m, o in zip(group.members, group.member_offsets) if m in scores]
         if parts:
             out[gid] = np.sum(parts, axis=0)
@@ -92,6 +94,14 @@ def score_groups(structure: Structure, scores: Mapping,
             f"{f' (first 5 of {len(missing)})' if len(missing) > 5 else ''}: score one of "
             "their layers, or name the groups to prune.")
     return out
+
+
+def _blocks(normalized: np.ndarray, offset: int, group) -> np.ndarray:
+    """A member's normalised feature scores summed per group channel: features
+    ``(offset + c)·b … (offset + c)·b + b − 1`` for ``b`` = ``group.block_size`` (the
+    head_dim features of one attention head; one feature otherwise)."""
+    b, n = group.block_size, group.n_channels
+    return normalized[offset * b:(offset + n) * b].reshape(n, b).sum(axis=1)
 
 
 def _as_int(key) -> int | None:
