@@ -49,7 +49,7 @@ from study_common import (  # noqa: E402
 SUB = "channels"
 LOCAL, TARGET = ("ix", "peer"), ("relevance", "synergy", "redundancy")
 SCORES = ("magnitude", "random", *LOCAL, *TARGET)
-RATIOS = (0.1, 0.25, 0.5, 0.75)
+RATIOS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75)  # finer at the start: the narrow nets collapse early
 ALIGN = {"ix_it": ("input_capture", "task_info"), "rx_syn": ("peer_overlap", "synergy")}
 LESION_SCORES = {"peer_r2": "R²", "task_info": "I(T;Y)", "input_capture": "I_X"}
 

@@ -152,16 +152,22 @@ def measure_model(name: str, model: Path, zoo: Path, out: Path, fine_points: int
 def measure(a) -> None:
     runs = load_runs(a.zoo)
     base = a.results / SUB
-    meta = read_json(base / "runs.json", {})
     for name, m in runs.items():
         if m["schedule"] != "cosine" or m["arch"] not in a.archs.split(",") \
                 or m["seed"] >= a.seeds:
             continue
         out = base / f"{name}.csv"
-        if out.is_file() and not a.again:
+        lock = out.with_suffix(".lock")  # another process measures it now
+        if (out.is_file() and not a.again) or lock.exists():
             continue
-        last = m["dir"] / "checkpoints" / m["checkpoints"][-1]["path"]
-        measure_model(name, last, a.zoo, out, a.fine_points, not a.no_ablations)
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        lock.touch()
+        try:
+            last = m["dir"] / "checkpoints" / m["checkpoints"][-1]["path"]
+            measure_model(name, last, a.zoo, out, a.fine_points, not a.no_ablations)
+        finally:
+            lock.unlink()
+        meta = read_json(base / "runs.json", {})
         meta[name] = run_meta(m)
         write_json(base / "runs.json", meta)
 

@@ -3,7 +3,7 @@
 
     nohup nice -n 19 python tools/train_zoo.py --out /work/zoo > /work/zoo/train.log 2>&1 &
 
-Four architectures, adapted to 1x28x28 input and made narrow so an epoch on the training subset
+Five architectures, adapted to 1x28x28 input and made narrow so an epoch on the training subset
 takes seconds on 2 CPU cores (base widths, ``--width-scale 1``):
 
     resnet18     CIFAR ResNet-18: stem conv3x3(1->8)+BN+ReLU+MaxPool2x2 (28->14; the pool keeps
@@ -19,21 +19,35 @@ takes seconds on 2 CPU cores (base widths, ``--width-scale 1``):
                  +BN+ReLU6, GAP, Linear(320->10)
 
 Every network normalises its input inside the graph ((x - 0.2860) / 0.3530, as models/sample) and
-ends in Flatten + Gemm (the head).  Two schedules per architecture:
+ends in Flatten + Gemm (the head).  ``vit`` is the transformer of tools/make_vit_sample.py (dim 48,
+depth 3, 4 heads, MLP 96; no BN, exported with constant folding as that script does).
 
-    cosine  SGD (momentum 0.9, nesterov, weight decay 5e-4), lr 0.05 with cosine decay to 0 over
-            6 epochs of the first 4,000 training-subset images, clean labels: accuracy rises to
-            the end.  Checkpoints at epochs 0, 0.25, 0.5, 1, 2, 3, 4, 5, 6.
-    noisy   Adam, constant lr 1e-3, no weight decay, 16 epochs of the first 2,500 images with
-            40 % of their labels replaced by a random other class: test accuracy peaks early
-            and falls as the noise is memorised.  Checkpoints at epochs 0, 0.25, 0.5, 1, 2, 3,
-            4, 6, 8, 10, 12, 14, 16.  Exception, mobilenetv2-noisy: SGD (momentum 0.9) at a
-            constant lr 0.05 for 40 epochs, checkpoints at epochs 0, 1, 2, 4, 6, 8, 10, 12, 16,
-            20, 25, 30, 35, 40 (with Adam it learnt too slowly to peak within 16 epochs).
+Schedules (``SCHEDULES``; per-architecture changes in ``ARCH_SCHEDULES``, per-run ones in
+``OVERRIDES``):
 
-Batch 128.  Sized so the whole zoo trains in about an hour at nice 19 on 2 shared CPU cores.
+    cosine  SGD (momentum 0.9, nesterov, weight decay 5e-4), lr 0.05 with cosine decay to 0
+            over 6 epochs of the first 4,000 training-subset images, clean labels: accuracy rises
+            to the end.  Checkpoints at epochs 0, 0.25, 0.5, 1, 2, 3, 4, 5, 6.
+    tail    (issue 18) SGD (momentum 0.9, weight decay 5e-4) at a CONSTANT lr 0.05 on the first
+            2,000 images with 15 % of their labels replaced by a random other class, stopped
+            soon after test accuracy peaks so that the peak lies inside the tail window (the
+            last K = 5 checkpoints) and accuracy falls after it: ResNet-18 9 epochs,
+            checkpoints at 0, 0.5, 1, ..., 9; VGG-16-BN 16 epochs (0, 0.5, 1, 2, 4, ..., 12,
+            13, 14, 15, 16); MobileNetV2 20 epochs (0, 0.5, 1, 2, 4, ..., 20); ViT: AdamW
+            lr 1e-3 (the ViT sample's), 20 epochs.  The lengths come from one seed-0 pilot per
+            architecture (test accuracy every half epoch; docs/STUDIES.md).
+    init    no training: the step-0 export only, at width x1 / x4 / x8 with and without BN
+            (init coupling, METHODS §B4).
+    noisy   (issue 7) Adam, constant lr 1e-3, 16 epochs of 2,500 images with 40 % noise
+            (mobilenetv2-noisy: SGD, lr 0.05, 40 epochs); kept for ``--runs legacy``.
 
-plus ``resnet18-cosine-s1`` (seed 1).  Checkpoints at step 0 and at fractional epochs from
+Batch 128.  ``--runs all`` is issue 18's plan (``plan_runs``: 5 seeds x tail for resnet18,
+vgg16_bn, mobilenetv2 and vit; cosine seeds 0-4 for resnet18 and vgg16_bn, 0-2 for mobilenetv2;
+36 init-only exports), ``--runs legacy`` issue 7's zoo; names and patterns select runs.  Each run
+also writes ``probe_train.npz``: its first 1,000 training images with the labels it was trained
+on (noisy on the tail runs), the probe of the readout study.
+
+Checkpoints at step 0 and at fractional epochs from
 initialisation through convergence; each is exported to ONNX with BatchNormalization KEPT
 (tools/make_sample.py's settings: TorchScript exporter, dynamo=False, do_constant_folding=False,
 training=EVAL), checked with the full ONNX checker and compared with torch through ONNX Runtime.
@@ -53,6 +67,8 @@ Layout of OUT::
     OUT/<run>/checkpoints/checkpoints.json    step, epoch, accuracies per checkpoint
     OUT/<run>/manifest.json                   everything about the run ("complete": true at end)
     OUT/<run>/state.pt                        resume state (model, optimizer, records)
+    OUT/<run>/probe_train.npz                 the training probe (images, labels trained on)
+    OUT/<run>/probe_train_clean_labels.npy    its true labels
     OUT/resnet18-cosine/model_bnfolded.onnx   the BN-folded export
 
 Resumable: a run whose manifest says complete is skipped; otherwise training restarts from the
