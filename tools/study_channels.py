@@ -202,18 +202,24 @@ def coupling_table(results: Path, meta: dict) -> str:
             cells += [pm([j[key]["median"] for j in js], n=False),
                       pm([j[key]["null_q95"] for j in js], n=False),
                       f"{sum(j[key]['p'] < 0.05 for j in js)}/{len(js)}"]
+        aris = []
+        for n in names:
+            v = [r["ari"] for r in read_rows(base / f"{n}.csv")
+                 if r["stat"] == "ix_it" and r["ari"] is not None]
+            aris.append(float(np.median(v)) if v else float("nan"))
         rows.append([arch, f"×{width:g}", "BN" if bn else "no BN", state, len(names),
-                     n_layers, *cells])
+                     n_layers, *cells, pm(aris, n=False)])
     perms = next(iter(read_json(base / f"{n}.json") for n in meta
                       if (base / f"{n}.json").is_file()))["ix_it"]["perms"]
     return ("**Init coupling: median over layers of the per-layer Spearman ρ** (probe calib.npz, "
             "1,000 images x 16 positions; mean ± sd over init / training seeds, n = seeds "
             f"column). Null: each layer's channels shuffled independently, {perms} permutations;"
             " q95 = the null's 95th percentile of the median; p < 0.05: one-sided permutation "
-            "p of the median. Published (CIFAR-100): ρ(I_X, I(T;Y)) ≈ 0.7 at init, ≈ 0.01 "
-            "trained\n\n"
+            "p of the median; ARI: median over layers of the k-means (k = 4) agreement between "
+            "the two axes. Published (CIFAR-100): ρ(I_X, I(T;Y)) ≈ 0.7 at init, ≈ 0.01 "
+            "trained; ARI ≈ 0.02\n\n"
             + table(["arch", "width", "BN", "state", "seeds", "layers", "ρ(I_X,I_T)",
-                     "null q95", "p<0.05", "ρ(R_X,Syn)", "null q95 ", "p<0.05 "], rows))
+                     "null q95", "p<0.05", "ρ(R_X,Syn)", "null q95 ", "p<0.05 ", "ARI"], rows))
 
 
 def auc_of(rows: list[dict], score: str, phase: str) -> float:

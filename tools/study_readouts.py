@@ -284,18 +284,21 @@ def correlation_table(meta: dict, series: dict, schedule: str, probe: str) -> st
             f"training seeds: {n_txt})\n\n" + table(["readout", *groups], rows))
 
 
-def screening_models(meta: dict, series: dict, probe: str) -> list[dict]:
-    """The last checkpoint of every trained run (one model per run)."""
+def screening_models(meta: dict, series: dict, probe: str, schedule=None) -> list[dict]:
+    """The last checkpoint of every trained run (one model per run; ``schedule``: only
+    those runs)."""
     out = []
     for n, m in meta.items():
+        if schedule and m["schedule"] != schedule:
+            continue
         s = series[n][probe]
         out.append({"run": n, "arch": m["arch"], "acc": s["test_acc"][-1],
                     "n_params": m["n_parameters"], **{r: s[r][-1] for r in READOUTS}})
     return out
 
 
-def screening_table(meta: dict, series: dict, probe: str) -> str:
-    models = screening_models(meta, series, probe)
+def screening_table(meta: dict, series: dict, probe: str, schedule=None) -> str:
+    models = screening_models(meta, series, probe, schedule)
     acc = np.array([x["acc"] for x in models])
     params = np.array([x["n_params"] for x in models], float)
     rows = []
@@ -310,8 +313,9 @@ def screening_table(meta: dict, series: dict, probe: str) -> str:
     blo, bhi = bootstrap_ci(len(models), lambda i: spearman(params[i], acc[i]), seed=3)
     rows.append(["params (baseline)", "higher", ci_text(bp, blo, bhi), "–"])
     archs = sorted({x["arch"] for x in models})
+    which = f"{schedule} schedule only" if schedule else "tail and cosine schedules"
     return (f"**Screening across architectures** (probe `{probe}`): the last checkpoint of "
-            f"each of {len(models)} runs ({', '.join(archs)}; tail and cosine schedules) ranked "
+            f"each of {len(models)} runs ({', '.join(archs)}; {which}) ranked "
             f"together; ρ / r vs top-1 with 95 % bootstrap intervals over models ({2000} "
             f"resamples of the {len(models)} models)\n\n"
             + table(["readout", "better", "Spearman ρ [95 % CI]", "Pearson r [95 % CI]"], rows))
@@ -353,8 +357,10 @@ def tables(results: Path, only: str | None = None) -> list[str]:
         for probe in ("train", "heldout"):
             add("tuned", lambda sched=sched, probe=probe: tuned(meta, series, sched, probe)[0])
         add("corr", lambda sched=sched: correlation_table(meta, series, sched, "train"))
-    for probe in ("heldout", "train"):
-        add("screen", lambda probe=probe: screening_table(meta, series, probe))
+    for schedule in (None, "cosine"):
+        for probe in ("heldout", "train"):
+            add("screen", lambda probe=probe, schedule=schedule: screening_table(
+                meta, series, probe, schedule))
     add("cost", lambda: cost_line(meta, series))
     return parts
 
