@@ -233,6 +233,32 @@ def gap_table(meta: dict, series: dict, schedule: str, probe: str, window=5) -> 
                      "best in window"], rows))
 
 
+def paired_table(meta: dict, series: dict, schedule: str, probe: str, window=5) -> str:
+    """Each selector's gap minus a baseline's, paired by run: mean with a 95 % bootstrap
+    interval over the runs, and wins / ties / losses."""
+    names = [n for ns in arch_groups(meta, schedule).values() for n in ns]
+    ss = [series[n][probe] for n in names]
+    base = {"last": [baseline_gaps(s, window)["last"] for s in ss],
+            "random": [baseline_gaps(s, window)["random"] for s in ss],
+            "train loss": [selector_gap(series[n]["train"], "loss", window) for n in names]}
+    rows = []
+    for r in ("head_grad_feature", "head_grad", "head_grad_head", "loss", "logit_margin"):
+        g = np.array([selector_gap(s, r, window) for s in ss])
+        row = [SHORT[r], pm(g, n=False)]
+        for b in base.values():
+            d = g - np.array(b)
+            lo, hi = bootstrap_ci(len(d), lambda i, d=d: float(d[i].mean()), seed=4)
+            row.append(f"{d.mean():+.2f} [{lo:+.2f}, {hi:+.2f}] "
+                       f"({int((d < 0).sum())}/{int((d == 0).sum())}/{int((d > 0).sum())})")
+        rows.append(row)
+    return (f"**Paired by run: a readout's gap minus a baseline's** ({schedule} runs, probe "
+            f"`{probe}`, K = {window}, n = {len(names)} runs of all architectures): mean pp "
+            f"[95 % bootstrap interval over runs] (runs where the readout is better / equal / "
+            f"worse); negative = the readout picks better. Train loss = the `loss` readout on "
+            f"the training probe\n\n"
+            + table(["readout", "gap pp", *[f"− {b}" for b in base]], rows))
+
+
 def tuned(meta: dict, series: dict, schedule: str, probe: str) -> tuple[str, dict]:
     """Leave-one-seed-out per architecture: norm x K tuned on the other seeds."""
     groups = arch_groups(meta, schedule)
@@ -337,7 +363,7 @@ def cost_line(meta: dict, series: dict) -> str:
 
 def tables(results: Path, only: str | None = None) -> list[str]:
     """Every table, in order, from the raw results (``only``: comma list of keys among
-    zoo, gap, tuned, corr, screen, cost)."""
+    zoo, gap, paired, tuned, corr, screen, cost)."""
     meta, series = load_series(results)
     if not meta:
         raise SystemExit(f"error: no raw results in {results / SUB}; measure with --zoo first")
@@ -354,6 +380,9 @@ def tables(results: Path, only: str | None = None) -> list[str]:
             continue
         for probe in PROBES:
             add("gap", lambda sched=sched, probe=probe: gap_table(meta, series, sched, probe))
+        for probe in ("train", "heldout"):
+            add("paired", lambda sched=sched, probe=probe: paired_table(meta, series, sched,
+                                                                        probe))
         for probe in ("train", "heldout"):
             add("tuned", lambda sched=sched, probe=probe: tuned(meta, series, sched, probe)[0])
         add("corr", lambda sched=sched: correlation_table(meta, series, sched, "train"))
