@@ -115,3 +115,54 @@ def test_tiny_run_exports_resumes_and_is_deterministic(tmp_path, monkeypatch):
             for r in m2["checkpoints"]] == strip
     # resumed training reproduces the uninterrupted weights bit for bit
     assert _ckpt_bytes(run2) == _ckpt_bytes(run_dir)
+
+
+def test_plan_names_patterns_and_schedules():
+    plan = tz.plan_runs()
+    # issue 18: >= 5 seeds x 3 architectures of the tail schedule, cosine runs, init variants
+    for arch in ("resnet18", "vgg16_bn", "mobilenetv2"):
+        assert sum(r.arch == arch and r.schedule == "tail" for r in plan.values()) >= 5
+    assert tz.run_name(tz.Run("vgg16_bn", "init", 2, 8, False)) == "init-vgg16_bn-w8-nobn-s2"
+    assert tz.run_name(tz.Run("resnet18", "cosine", 0)) == "resnet18-cosine"
+    assert tz.select_runs("resnet18-tail*") == ["resnet18-tail"] + [
+        f"resnet18-tail-s{s}" for s in range(1, 5)]
+    assert tz.select_runs("legacy") == list(tz.legacy_runs())
+    arch, sched, seed = tz.all_runs()["resnet18-cosine-s1"]  # issue 7's tuples still unpack
+    assert (arch, sched, seed) == ("resnet18", "cosine", 1)
+    with pytest.raises(SystemExit, match="unknown run"):
+        tz.select_runs("resnet99-*")
+    ns = argparse.Namespace(epochs_scale=1.0, set={})
+    mb = tz.schedule_for("mobilenetv2-tail", plan["mobilenetv2-tail"], ns)
+    assert mb["noise"] == 0.15 and mb["lr_schedule"] == "constant" and mb["epochs"] == 20
+    # the peak must be able to fall inside the tail window: >= 5 checkpoints after epoch 0
+    for name, run in plan.items():
+        if run.schedule == "tail":
+            assert len(tz.schedule_for(name, run, ns)["checkpoint_epochs"]) >= 10
+
+
+def test_init_without_bn_and_vit_runs(tmp_path):
+    torch.set_num_threads(1)
+    data = _data()
+    args = _args(tmp_path)
+    m = tz.train_run("init-vgg16_bn-w2-nobn-s1", "vgg16_bn", "init", 1, data, args,
+                     sched=dict(tz.SCHEDULES["init"], n_train=64), width=2, bn=False)
+    assert m["n_batchnorm"] == 0 and len(m["checkpoints"]) == 1 and not m["batchnorm"]
+    assert m["widths"]["stages"][0] == [2, 2]  # 8 x 0.125 x 2
+    path = tmp_path / "init-vgg16_bn-w2-nobn-s1" / "checkpoints" / "ckpt_000.onnx"
+    assert "BatchNormalization" not in {n.op_type for n in onnx.load(str(path)).graph.node}
+    # the training probe: the images trained on with the labels trained on
+    probe = np.load(tmp_path / "init-vgg16_bn-w2-nobn-s1" / "probe_train.npz")
+    assert np.array_equal(probe["input"], data["x_train"][:64])
+    vit = dict(SCHED, optimizer="adamw", lr=1e-3, weight_decay=0.0, noise=0.25,
+               lr_schedule="constant", epochs=2.0, checkpoint_epochs=[1, 2])
+    m = tz.train_run("vit-tail", "vit", "tail", 0, data, args, sched=vit)
+    assert m["n_batchnorm"] == 0 and m["export"]["do_constant_folding"] is True
+    run_dir = tmp_path / "vit-tail"
+    probe = np.load(run_dir / "probe_train.npz")
+    clean = np.load(run_dir / "probe_train_clean_labels.npy")
+    assert np.array_equal(clean, data["y_train"][:64])
+    assert (probe["labels"] != clean).mean() == pytest.approx(0.25, abs=0.02)
+    rec = m["checkpoints"][-1]
+    logits = _session(run_dir / "checkpoints" / rec["path"]).run(None, {"input": data["x_eval"]})
+    acc = 100.0 * float((logits[0].argmax(1) == data["y_eval"]).mean())
+    assert acc == pytest.approx(rec["test_acc"], abs=1e-6) and "train_loss_noisy" in rec

@@ -1,5 +1,12 @@
 """Shared helpers of the zoo studies (tools/study_*.py): finding the runs of a zoo made by
-tools/train_zoo.py and printing Markdown tables."""
+tools/train_zoo.py, the per-run raw results under docs/studies/ (small CSV/JSON, committed),
+the statistics every table uses (mean ± sd over training seeds, bootstrap intervals,
+permutation p-values) and printing Markdown tables.
+
+Every study has two phases: *measure* (needs the zoo's ONNX checkpoints; writes one raw
+result file per run under ``--results``, skipping runs already there) and *tables* (reads
+only the raw results). ``--from-results`` runs the second phase alone, so every table of
+docs/STUDIES.md is regenerated from the committed files without models."""
 
 from __future__ import annotations
 
@@ -10,7 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-ARCH_ORDER = ("resnet18", "resnet34", "vgg16_bn", "mobilenetv2")
+ARCH_ORDER = ("resnet18", "resnet34", "vgg16_bn", "mobilenetv2", "vit")
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "studies"
+BOOT = 2000  # bootstrap resamples of every interval
 
 
 def load_runs(zoo: Path, names: list[str] | None = None) -> dict[str, dict]:
@@ -94,6 +103,128 @@ def emit(parts: list[str], out: Path | None) -> int:
     if out:
         out.write_text(text)
     return 0
+
+
+# ---------------------------------------------------------------------------- raw results
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    """One raw result table (CSV, onnxdiag's writer); the folder is created."""
+    from onnxdiag.report.text import rows_to_csv
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(rows_to_csv(rows))
+    tmp.replace(path)
+
+
+def read_rows(path: Path) -> list[dict]:
+    """A raw result table back, numbers as floats (empty cells: None)."""
+    import csv
+
+    with path.open(newline="") as f:
+        return [{k: _num(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def _num(v: str):
+    if v in ("", None):
+        return None
+    if v in ("True", "False"):
+        return v == "True"
+    try:
+        return float(v)
+    except ValueError:
+        return v
+
+
+def write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
+
+
+def read_json(path: Path, default=None):
+    return json.loads(path.read_text()) if path.is_file() else default
+
+
+def run_meta(m: dict) -> dict:
+    """What the tables need to know about a run (kept next to its raw results)."""
+    return {"arch": m["arch"], "schedule": m["schedule"], "seed": m["seed"],
+            "width": m.get("width", 1.0), "batchnorm": m.get("batchnorm", True),
+            "n_parameters": m["n_parameters"], "n_checkpoints": len(m["checkpoints"]),
+            "noise": m["data"]["label_noise_fraction"], "n_train": m["data"]["n_train"],
+            "best": m["results"]["best"], "last": m["results"]["last"]}
+
+
+def results_arg(p) -> None:
+    """The --results / --from-results options every study shares."""
+    p.add_argument("--results", type=Path, default=RESULTS,
+                   help="folder of the raw results (default: docs/studies of the repository)")
+    p.add_argument("--from-results", action="store_true",
+                   help="only print the tables from the raw results (no zoo, no models)")
+    p.add_argument("--tables", default=None,
+                   help="with --from-results: only these tables (comma list of the study's "
+                        "table keys, see its tables())")
+
+
+# ------------------------------------------------------------------------------ statistics
+
+def mean_sd(values) -> tuple[float, float, int]:
+    """Mean, sample sd (0 for one value) and n of the finite values."""
+    import numpy as np
+
+    v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=float)
+    if v.size == 0:
+        return float("nan"), float("nan"), 0
+    return float(v.mean()), float(v.std(ddof=1)) if v.size > 1 else 0.0, int(v.size)
+
+
+def pm(values, digits: int = 2, n: bool = True) -> str:
+    """'mean ± sd (n)' of values; '–' without any."""
+    m, sd, k = mean_sd(values)
+    if k == 0:
+        return "–"
+    return f"{m:.{digits}f} ± {sd:.{digits}f}" + (f" ({k})" if n else "")
+
+
+def bootstrap_ci(n_items: int, stat, *, reps: int = BOOT, seed: int = 0,
+                 level: float = 0.95) -> tuple[float, float]:
+    """Percentile interval of ``stat(indices)`` over resamples of ``range(n_items)`` with
+    replacement (non-finite resample values dropped)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    vals = np.array([stat(rng.integers(0, n_items, n_items)) for _ in range(reps)], float)
+    vals = vals[np.isfinite(vals)]
+    if vals.size == 0:
+        return float("nan"), float("nan")
+    a = (1 - level) / 2
+    return float(np.quantile(vals, a)), float(np.quantile(vals, 1 - a))
+
+
+def spearman(x, y) -> float:
+    import numpy as np
+    from scipy.stats import spearmanr
+
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    ok = np.isfinite(x) & np.isfinite(y)
+    if ok.sum() < 3 or np.ptp(x[ok]) == 0 or np.ptp(y[ok]) == 0:
+        return float("nan")
+    return float(spearmanr(x[ok], y[ok])[0])
+
+
+def pearson(x, y) -> float:
+    import numpy as np
+
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    ok = np.isfinite(x) & np.isfinite(y)
+    if ok.sum() < 3 or np.ptp(x[ok]) == 0 or np.ptp(y[ok]) == 0:
+        return float("nan")
+    return float(np.corrcoef(x[ok], y[ok])[0, 1])
+
+
+def ci_text(est: float, lo: float, hi: float, digits: int = 2) -> str:
+    if not math.isfinite(est):
+        return "–"
+    return f"{est:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
 
 
 def _cores() -> int:

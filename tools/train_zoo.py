@@ -3,7 +3,7 @@
 
     nohup nice -n 19 python tools/train_zoo.py --out /work/zoo > /work/zoo/train.log 2>&1 &
 
-Four architectures, adapted to 1x28x28 input and made narrow so an epoch on the training subset
+Five architectures, adapted to 1x28x28 input and made narrow so an epoch on the training subset
 takes seconds on 2 CPU cores (base widths, ``--width-scale 1``):
 
     resnet18     CIFAR ResNet-18: stem conv3x3(1->8)+BN+ReLU+MaxPool2x2 (28->14; the pool keeps
@@ -19,21 +19,35 @@ takes seconds on 2 CPU cores (base widths, ``--width-scale 1``):
                  +BN+ReLU6, GAP, Linear(320->10)
 
 Every network normalises its input inside the graph ((x - 0.2860) / 0.3530, as models/sample) and
-ends in Flatten + Gemm (the head).  Two schedules per architecture:
+ends in Flatten + Gemm (the head).  ``vit`` is the transformer of tools/make_vit_sample.py (dim 48,
+depth 3, 4 heads, MLP 96; no BN, exported with constant folding as that script does).
 
-    cosine  SGD (momentum 0.9, nesterov, weight decay 5e-4), lr 0.05 with cosine decay to 0 over
-            6 epochs of the first 4,000 training-subset images, clean labels: accuracy rises to
-            the end.  Checkpoints at epochs 0, 0.25, 0.5, 1, 2, 3, 4, 5, 6.
-    noisy   Adam, constant lr 1e-3, no weight decay, 16 epochs of the first 2,500 images with
-            40 % of their labels replaced by a random other class: test accuracy peaks early
-            and falls as the noise is memorised.  Checkpoints at epochs 0, 0.25, 0.5, 1, 2, 3,
-            4, 6, 8, 10, 12, 14, 16.  Exception, mobilenetv2-noisy: SGD (momentum 0.9) at a
-            constant lr 0.05 for 40 epochs, checkpoints at epochs 0, 1, 2, 4, 6, 8, 10, 12, 16,
-            20, 25, 30, 35, 40 (with Adam it learnt too slowly to peak within 16 epochs).
+Schedules (``SCHEDULES``; per-architecture changes in ``ARCH_SCHEDULES``, per-run ones in
+``OVERRIDES``):
 
-Batch 128.  Sized so the whole zoo trains in about an hour at nice 19 on 2 shared CPU cores.
+    cosine  SGD (momentum 0.9, nesterov, weight decay 5e-4), lr 0.05 with cosine decay to 0
+            over 6 epochs of the first 4,000 training-subset images, clean labels: accuracy rises
+            to the end.  Checkpoints at epochs 0, 0.25, 0.5, 1, 2, 3, 4, 5, 6.
+    tail    (issue 18) SGD (momentum 0.9, weight decay 5e-4) at a CONSTANT lr 0.05 on the first
+            2,000 images with 15 % of their labels replaced by a random other class, stopped
+            soon after test accuracy peaks so that the peak lies inside the tail window (the
+            last K = 5 checkpoints) and accuracy falls after it: ResNet-18 9 epochs,
+            checkpoints at 0, 0.5, 1, ..., 9; VGG-16-BN 16 epochs (0, 0.5, 1, 2, 4, ..., 12,
+            13, 14, 15, 16); MobileNetV2 20 epochs (0, 0.5, 1, 2, 4, ..., 20); ViT: AdamW
+            lr 1e-3 (the ViT sample's), 20 epochs.  The lengths come from one seed-0 pilot per
+            architecture (test accuracy every half epoch; docs/STUDIES.md).
+    init    no training: the step-0 export only, at width x1 / x4 / x8 with and without BN
+            (init coupling, METHODS §B4).
+    noisy   (issue 7) Adam, constant lr 1e-3, 16 epochs of 2,500 images with 40 % noise
+            (mobilenetv2-noisy: SGD, lr 0.05, 40 epochs); kept for ``--runs legacy``.
 
-plus ``resnet18-cosine-s1`` (seed 1).  Checkpoints at step 0 and at fractional epochs from
+Batch 128.  ``--runs all`` is issue 18's plan (``plan_runs``: 5 seeds x tail for resnet18,
+vgg16_bn, mobilenetv2 and vit; cosine seeds 0-4 for resnet18 and vgg16_bn, 0-2 for mobilenetv2;
+36 init-only exports), ``--runs legacy`` issue 7's zoo; names and patterns select runs.  Each run
+also writes ``probe_train.npz``: its first 1,000 training images with the labels it was trained
+on (noisy on the tail runs), the probe of the readout study.
+
+Checkpoints at step 0 and at fractional epochs from
 initialisation through convergence; each is exported to ONNX with BatchNormalization KEPT
 (tools/make_sample.py's settings: TorchScript exporter, dynamo=False, do_constant_folding=False,
 training=EVAL), checked with the full ONNX checker and compared with torch through ONNX Runtime.
@@ -53,6 +67,8 @@ Layout of OUT::
     OUT/<run>/checkpoints/checkpoints.json    step, epoch, accuracies per checkpoint
     OUT/<run>/manifest.json                   everything about the run ("complete": true at end)
     OUT/<run>/state.pt                        resume state (model, optimizer, records)
+    OUT/<run>/probe_train.npz                 the training probe (images, labels trained on)
+    OUT/<run>/probe_train_clean_labels.npy    its true labels
     OUT/resnet18-cosine/model_bnfolded.onnx   the BN-folded export
 
 Resumable: a run whose manifest says complete is skipped; otherwise training restarts from the
@@ -63,11 +79,13 @@ epoch, so an interrupted-and-resumed run equals an uninterrupted one.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -75,7 +93,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_sample as ms  # noqa: E402  (tools/ is not a package)
 
-ARCHS = ("resnet18", "resnet34", "vgg16_bn", "mobilenetv2")
+ARCHS = ("resnet18", "resnet34", "vgg16_bn", "mobilenetv2", "vit")
+_EVERY_EPOCH = [0.5, *range(1, 10)]
 SCHEDULES = {
     "cosine": {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "nesterov": True,
                "weight_decay": 5e-4, "lr_schedule": "cosine", "noise": 0.0,
@@ -85,6 +104,15 @@ SCHEDULES = {
               "weight_decay": 0.0, "lr_schedule": "constant", "noise": 0.4,
               "epochs": 16.0, "n_train": 2500,
               "checkpoint_epochs": [0.25, 0.5, 1, 2, 3, 4, 6, 8, 10, 12, 14, 16]},
+    # issue 18: constant lr, 2,000 images, 15 % label noise, training stopped soon after the
+    # peak so that test accuracy peaks INSIDE the tail window (K = 5) and falls after it
+    "tail": {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "nesterov": False,
+             "weight_decay": 5e-4, "lr_schedule": "constant", "noise": 0.15,
+             "epochs": 9.0, "n_train": 2000, "checkpoint_epochs": _EVERY_EPOCH},
+    # no training: the step-0 export only (init coupling, METHODS §B4)
+    "init": {"optimizer": "sgd", "lr": 0.0, "momentum": 0.0, "nesterov": False,
+             "weight_decay": 0.0, "lr_schedule": "constant", "noise": 0.0,
+             "epochs": 0.0, "n_train": 2000, "checkpoint_epochs": []},
 }
 # per-run schedule changes (see the docstring); applied on top of SCHEDULES
 OVERRIDES: dict[str, dict] = {
@@ -94,16 +122,106 @@ OVERRIDES: dict[str, dict] = {
                           "epochs": 40,
                           "checkpoint_epochs": [1, 2, 4, 6, 8, 10, 12, 16, 20, 25, 30, 35, 40]},
 }
+# per-(architecture, schedule) changes, chosen from one seed-0 pilot per architecture (the
+# pilot's curves are in docs/STUDIES.md); applied before OVERRIDES
+ARCH_SCHEDULES: dict[tuple[str, str], dict] = {
+    # ResNet-18 peaked at epoch ~5.5-7 in its pilot: the default (9 epochs, tail = 5..9).
+    # VGG-16-BN learnt and memorised more slowly (plateau 11-19 epochs, still rising on the
+    # noisy labels at 20); MobileNetV2 peaked (~72 %) between epochs 12 and 20.
+    ("vgg16_bn", "tail"): {"epochs": 16.0,
+                           "checkpoint_epochs": [0.5, 1, 2, 4, 6, 8, 10, 12, 13, 14, 15, 16]},
+    ("mobilenetv2", "tail"): {"epochs": 20.0,
+                              "checkpoint_epochs": [0.5, 1, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20]},
+    # the ViT sample's optimiser (AdamW, lr 1e-3, no weight decay)
+    ("vit", "tail"): {"optimizer": "adamw", "lr": 1e-3, "momentum": None, "weight_decay": 0.0,
+                      "epochs": 20.0,
+                      "checkpoint_epochs": [0.5, 1, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20]},
+    ("vit", "cosine"): {"optimizer": "adamw", "lr": 1e-3, "momentum": None,
+                        "weight_decay": 0.0},
+}
 SEEDS_EXTRA = {"resnet18-cosine-s1": ("resnet18", "cosine", 1)}
 FOLDED_RUN = "resnet18-cosine"
 N_PRECISE_BN = 1000
+N_TRAIN_PROBE = 1000
+VIT_DIMS = {"dim": 48, "depth": 3, "heads": 4, "mlp": 96}  # tools/make_vit_sample.py defaults
 
 
-def all_runs() -> dict[str, tuple[str, str, int]]:
-    # cosine runs first: the channel and repair studies need only their final checkpoints
-    runs = {f"{a}-{s}": (a, s, 0) for s in SCHEDULES for a in ARCHS}
-    runs.update(SEEDS_EXTRA)
+@dataclass(frozen=True)
+class Run:
+    """One run of the zoo: architecture, schedule, seed (init, batch order, label noise),
+    width multiplier (on top of ``--width-scale``) and whether BatchNormalization is kept."""
+
+    arch: str
+    schedule: str
+    seed: int = 0
+    width: float = 1.0
+    bn: bool = True
+
+    def __iter__(self):  # ``arch, schedule, seed = run`` (issue 7's tuples)
+        return iter((self.arch, self.schedule, self.seed))
+
+
+def run_name(run: Run) -> str:
+    """``ARCH-SCHEDULE`` (seed 0) or ``ARCH-SCHEDULE-sSEED``; init runs name width and BN."""
+    if run.schedule == "init":
+        return (f"init-{run.arch}-w{run.width:g}{'' if run.bn else '-nobn'}-s{run.seed}")
+    return f"{run.arch}-{run.schedule}" + (f"-s{run.seed}" if run.seed else "")
+
+
+def legacy_runs() -> dict[str, Run]:
+    """Issue 7's zoo: four architectures x (cosine, noisy), seed 0, plus resnet18-cosine-s1."""
+    runs = {f"{a}-{s}": Run(a, s, 0) for s in ("cosine", "noisy") for a in ARCHS[:4]}
+    runs.update({n: Run(*t) for n, t in SEEDS_EXTRA.items()})
     return runs
+
+
+def plan_runs() -> dict[str, Run]:
+    """Issue 18's zoo, in training order (what the studies need first comes first)."""
+    plan: list[Run] = []
+    plan += [Run(a, "tail", s) for a in ("resnet18", "vgg16_bn") for s in range(5)]
+    plan += [Run(a, "cosine", s) for a in ("resnet18", "vgg16_bn") for s in range(3)]
+    plan += [Run("mobilenetv2", "tail", s) for s in range(5)]
+    plan += [Run(a, "init", s, w, bn) for a in ("resnet18", "vgg16_bn") for w in (1, 4, 8)
+             for bn in (True, False) for s in range(3)]
+    plan += [Run("mobilenetv2", "cosine", s) for s in range(3)]
+    plan += [Run(a, "cosine", s) for a in ("resnet18", "vgg16_bn") for s in (3, 4)]
+    plan += [Run("vit", "tail", s) for s in range(5)]
+    return {run_name(r): r for r in plan}
+
+
+def all_runs() -> dict[str, Run]:
+    """Every run the script knows: issue 7's (legacy) and issue 18's plan."""
+    return {**legacy_runs(), **plan_runs()}
+
+
+def select_runs(spec: str) -> list[str]:
+    """``all`` (issue 18's plan), ``legacy`` (issue 7's zoo), or comma-separated run names and
+    shell patterns (``resnet18-tail*``)."""
+    known = all_runs()
+    if spec == "all":
+        return list(plan_runs())
+    if spec == "legacy":
+        return list(legacy_runs())
+    names: list[str] = []
+    for item in (s.strip() for s in spec.split(",") if s.strip()):
+        hits = [n for n in known if fnmatch.fnmatchcase(n, item)]
+        if not hits:
+            sys.exit(f"error: unknown run {item!r}; known: {', '.join(known)}")
+        names += [n for n in hits if n not in names]
+    return names
+
+
+def schedule_for(name: str, run: Run, args, sched: dict | None = None) -> dict:
+    """The schedule of one run: SCHEDULES, then ARCH_SCHEDULES, OVERRIDES, ``--set`` and
+    ``--epochs-scale``."""
+    sched = dict(SCHEDULES[run.schedule] if sched is None else sched)
+    sched.update(ARCH_SCHEDULES.get((run.arch, run.schedule), {}))
+    sched.update(OVERRIDES.get(name, {}))
+    sched.update(getattr(args, "set", None) or {})
+    if args.epochs_scale != 1.0:
+        sched["epochs"] *= args.epochs_scale
+        sched["checkpoint_epochs"] = [e * args.epochs_scale for e in sched["checkpoint_epochs"]]
+    return sched
 
 
 # -------------------------------------------------------------------------------------- models
@@ -122,6 +240,9 @@ def arch_widths(arch: str, scale: float) -> dict:
                (6, 40, 3, 2), (6, 80, 1, 1)]
         return {"stem": w(8), "blocks": [[t, w(c), n, s] for t, c, n, s in cfg],
                 "last": w(320)}
+    if arch == "vit":  # dim stays a multiple of the 4 heads
+        return {"dim": 4 * w(VIT_DIMS["dim"] // 4), "depth": VIT_DIMS["depth"],
+                "heads": VIT_DIMS["heads"], "mlp": w(VIT_DIMS["mlp"])}
     raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
 
 
@@ -129,6 +250,12 @@ def build(arch: str, widths: dict):
     """A torch module for `arch` with `widths` (see arch_widths); input (N,1,28,28) in [0,1]."""
     import torch
     from torch import nn
+
+    if arch == "vit":
+        import make_vit_sample
+
+        return make_vit_sample.build_model(widths["dim"], widths["depth"], widths["heads"],
+                                           widths["mlp"])
 
     def cbr(c_in, c_out, k=3, stride=1, groups=1, act=nn.ReLU):
         layers = [nn.Conv2d(c_in, c_out, k, stride, k // 2, groups=groups, bias=False),
@@ -199,6 +326,45 @@ def build(arch: str, widths: dict):
     return Net()
 
 
+def strip_bn(model):
+    """Replace every BatchNorm2d of `model` by Identity, in place (the no-BN variants of the
+    init-coupling study); returns the model."""
+    from torch import nn
+
+    for parent in list(model.modules()):
+        for key, child in list(parent.named_children()):
+            if isinstance(child, nn.BatchNorm2d):
+                setattr(parent, key, nn.Identity())
+    return model
+
+
+def make_optimizer(sched: dict, params):
+    import torch
+
+    if sched["optimizer"] == "sgd":
+        return torch.optim.SGD(params, lr=sched["lr"], momentum=sched["momentum"],
+                               nesterov=sched["nesterov"], weight_decay=sched["weight_decay"])
+    if sched["optimizer"] == "adamw":
+        return torch.optim.AdamW(params, lr=sched["lr"], weight_decay=sched["weight_decay"])
+    return torch.optim.Adam(params, lr=sched["lr"], weight_decay=sched["weight_decay"])
+
+
+def bn_snapshot(model, x_bn, n_bn: int):
+    """The model to export: precise BN over `x_bn` (a deep copy in eval mode without BN)."""
+    import copy
+
+    return ms.precise_bn_copy(model, x_bn) if n_bn else copy.deepcopy(model).eval()
+
+
+def write_train_probe(run_dir: Path, x, y_noisy, y_clean) -> None:
+    """RUN/probe_train.npz: the first N_TRAIN_PROBE training images with the labels the run
+    trained on (noisy where the schedule corrupts labels; the Part A probe), and
+    RUN/probe_train_clean_labels.npy, their true labels."""
+    if not (run_dir / "probe_train.npz").is_file():
+        ms.save_npz(run_dir / "probe_train.npz", input=x, labels=y_noisy)
+        np.save(run_dir / "probe_train_clean_labels.npy", y_clean)
+
+
 # -------------------------------------------------------------------------------------- export
 
 def export(model, path: Path, opset: int, meta: dict, fold_bn: bool = False) -> None:
@@ -259,18 +425,14 @@ def save_json(path: Path, obj) -> None:
 
 
 def train_run(name: str, arch: str, sched_name: str, seed: int, data: dict, args,
-              sched: dict | None = None) -> dict:
+              sched: dict | None = None, *, width: float = 1.0, bn: bool = True) -> dict:
     """Train (or resume, or skip) one run; returns its manifest."""
     import onnx
     import torch
     import torch.nn.functional as F
 
-    sched = dict(SCHEDULES[sched_name] if sched is None else sched)
-    sched.update(OVERRIDES.get(name, {}))
-    sched.update(getattr(args, "set", None) or {})
-    if args.epochs_scale != 1.0:
-        sched["epochs"] *= args.epochs_scale
-        sched["checkpoint_epochs"] = [e * args.epochs_scale for e in sched["checkpoint_epochs"]]
+    sched = schedule_for(name, Run(arch, sched_name, seed, width, bn), args, sched)
+    fold_export = arch == "vit"  # no BN; constant folding as tools/make_vit_sample.py
     run_dir = args.out / name
     ckpt_dir = run_dir / "checkpoints"
     manifest_path = run_dir / "manifest.json"
@@ -283,16 +445,13 @@ def train_run(name: str, arch: str, sched_name: str, seed: int, data: dict, args
 
     torch.manual_seed(seed)
     torch.use_deterministic_algorithms(True)
-    widths = arch_widths(arch, args.width_scale)
+    widths = arch_widths(arch, args.width_scale * width)
     model = build(arch, widths)
+    if not bn:
+        strip_bn(model)
     n_bn = sum(isinstance(mm, torch.nn.BatchNorm2d) for mm in model.modules())
     n_params = sum(p.numel() for p in model.parameters())
-    if sched["optimizer"] == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=sched["lr"], momentum=sched["momentum"],
-                              nesterov=sched["nesterov"], weight_decay=sched["weight_decay"])
-    else:
-        opt = torch.optim.Adam(model.parameters(), lr=sched["lr"],
-                               weight_decay=sched["weight_decay"])
+    opt = make_optimizer(sched, model.parameters())
 
     n_train = min(sched["n_train"], len(data["x_train"]))
     xtr, ytr = data["x_train"][:n_train], data["y_train"][:n_train]
@@ -305,6 +464,8 @@ def train_run(name: str, arch: str, sched_name: str, seed: int, data: dict, args
     x_tr_eval, y_tr_eval, y_tr_eval_noisy = (xtr[:N_PRECISE_BN], ytr[:N_PRECISE_BN],
                                              ytr_noisy[:N_PRECISE_BN])
     x_check = data["x_eval"][:32]
+    write_train_probe(run_dir, xtr[:N_TRAIN_PROBE], ytr_noisy[:N_TRAIN_PROBE],
+                      ytr[:N_TRAIN_PROBE])
 
     step, records, train_time = 0, [], 0.0
     state_path = run_dir / "state.pt"
@@ -320,23 +481,23 @@ def train_run(name: str, arch: str, sched_name: str, seed: int, data: dict, args
 
     def checkpoint():
         t = time.time()
-        snap = ms.precise_bn_copy(model, x_bn)
-        with torch.no_grad():
-            pred = torch.cat([snap(torch.from_numpy(x_tr_eval[i:i + 1000])).argmax(1)
-                              for i in range(0, len(x_tr_eval), 1000)]).numpy()
-        tr_acc = 100.0 * float((pred == y_tr_eval).mean())
-        tr_acc_noisy = 100.0 * float((pred == y_tr_eval_noisy).mean())
+        snap = bn_snapshot(model, x_bn, n_bn)
+        tr_acc, tr_loss = ms.evaluate(snap, x_tr_eval, y_tr_eval)
+        tr_acc_noisy, tr_loss_noisy = ms.evaluate(snap, x_tr_eval, y_tr_eval_noisy)
         te_acc, te_loss = ms.evaluate(snap, data["x_eval"], data["y_eval"])
         fname = f"ckpt_{len(records):03d}.onnx"
         export(snap, ckpt_dir / fname, args.opset,
                {"onnxdiag.zoo.run": name, "onnxdiag.zoo.arch": arch,
-                "onnxdiag.zoo.step": step, "onnxdiag.zoo.epoch": f"{step / spe:.4g}"})
+                "onnxdiag.zoo.step": step, "onnxdiag.zoo.epoch": f"{step / spe:.4g}"},
+               fold_bn=fold_export)
         diff = ms.verify_onnx(ckpt_dir / fname, snap, x_check, n_bn, tol=tolerance(snap, x_check))
         rec = {"path": fname, "step": step, "epoch": round(step / spe, 4),
                "train_acc": round(tr_acc, 2), "test_acc": round(te_acc, 2),
-               "test_loss": round(te_loss, 4), "ort_vs_torch_max_abs": float(f"{diff:.3g}")}
+               "test_loss": round(te_loss, 4), "train_loss": round(tr_loss, 4),
+               "ort_vs_torch_max_abs": float(f"{diff:.3g}")}
         if sched["noise"]:
             rec["train_acc_noisy"] = round(tr_acc_noisy, 2)
+            rec["train_loss_noisy"] = round(tr_loss_noisy, 4)
         records.append(rec)
         tmp = state_path.with_name("state.pt.tmp")
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
@@ -393,25 +554,30 @@ def train_run(name: str, arch: str, sched_name: str, seed: int, data: dict, args
     manifest = {
         "run": name, "arch": arch, "schedule": sched_name, "seed": seed, "complete": True,
         "command": "python tools/train_zoo.py " + " ".join(args.argv),
-        "widths": widths, "width_scale": args.width_scale, "n_parameters": n_params,
-        "n_batchnorm": n_bn,
+        "widths": widths, "width_scale": args.width_scale, "width": width, "batchnorm": bn,
+        "n_parameters": n_params, "n_batchnorm": n_bn,
         "seeds": {"splits": 0, "eval_subset": 1, "label_corruption": seed + 2,
                   "init": seed, "batch_order": f"torch.Generator({seed}*100003 + epoch)"},
         "data": {"source": str(args.data_dir), "n_train": len(xtr),
                  "n_calib": len(data["x_calib"]), "n_eval": len(data["x_eval"]),
                  "test_acc_on": "eval.npz (fixed seed-1 subset of the 10k test set)",
                  "train_acc_on": f"first {len(x_tr_eval)} training-subset images, true labels",
-                 "label_noise_fraction": sched["noise"]},
+                 "label_noise_fraction": sched["noise"],
+                 "probe_train": f"probe_train.npz: the first {N_TRAIN_PROBE} training-subset "
+                                f"images with the labels trained on "
+                                f"({'noisy' if sched['noise'] else 'clean'}); true labels in "
+                                f"probe_train_clean_labels.npy"},
         "training": {**{k: v for k, v in sched.items()}, "batch_size": args.batch_size,
                      "steps_per_epoch": spe, "total_steps": total, "augmentation": None,
                      "threads": args.threads,
                      "bn_running_stats_exported": f"precise BN over {len(x_bn)} training images"},
-        "export": export_settings(args.opset), **extra,
+        "export": export_settings(args.opset, fold_export), **extra,
         "op_types": ops,
         "checkpoints": records,
         "results": {"best": {k: best[k] for k in ("path", "epoch", "test_acc")},
                     "last": {k: records[-1][k] for k in ("path", "epoch", "test_acc")},
                     "best_minus_last_pp": round(best["test_acc"] - records[-1]["test_acc"], 2),
+                    "best_in_tail_5": records.index(best) >= len(records) - 5,
                     "n_checkpoints": len(records)},
         "timing": {"train_s": round(train_time, 1),
                    "train_s_per_epoch": round(train_time / max(sched["epochs"], 1e-9), 2)},
@@ -462,7 +628,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("/work/zoo"), help="zoo folder")
     p.add_argument("--runs", default="all",
-                   help=f"comma-separated run names, or 'all' ({', '.join(all_runs())})")
+                   help="'all' (issue 18's plan), 'legacy' (issue 7's zoo), or comma-separated "
+                        "run names and shell patterns ('resnet18-tail*'); --list shows them")
+    p.add_argument("--list", action="store_true", help="list the selected runs and exit")
     p.add_argument("--data-dir", type=Path, default=ms.DATA_DIR)
     p.add_argument("--n-train", type=int, default=5000, help="training subset size")
     p.add_argument("--n-calib", type=int, default=1000)
@@ -514,10 +682,12 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)  # denormals made some steps 10x slower
     runs = all_runs()
-    names = list(runs) if args.runs == "all" else [r.strip() for r in args.runs.split(",")]
-    unknown = [r for r in names if r not in runs]
-    if unknown:
-        sys.exit(f"error: unknown run(s) {', '.join(unknown)}; known: {', '.join(runs)}")
+    names = select_runs(args.runs)
+    if args.list:
+        for r in names:
+            done = (args.out / r / "manifest.json").is_file()
+            print(f"{r}\t{runs[r]}\t{'complete' if done else ''}")
+        return 0
     data = load_data(args.data_dir, args.n_train, args.n_calib, args.n_eval)
     if args.time_epoch:
         for r in names:
@@ -530,22 +700,23 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     write_probe_sets(args.out, data)
     t_all = time.time()
-    summary = {}
     for r in names:
-        arch, sched, seed = runs[r]
-        m = train_run(r, arch, sched, seed, data, args)
-        summary[r] = {"arch": arch, "schedule": sched, "seed": seed,
-                      "n_parameters": m["n_parameters"], **m["results"]}
+        run = runs[r]
+        train_run(r, run.arch, run.schedule, run.seed, data, args, width=run.width, bn=run.bn)
+    summary = {}  # every complete run in OUT (other processes may train other runs)
+    for m_path in sorted(args.out.glob("*/manifest.json")):
+        m = json.loads(m_path.read_text())
+        if m.get("complete"):
+            summary[m["run"]] = {"arch": m["arch"], "schedule": m["schedule"], "seed": m["seed"],
+                                 "width": m.get("width", 1.0),
+                                 "batchnorm": m.get("batchnorm", True),
+                                 "n_parameters": m["n_parameters"], **m["results"]}
     zoo = {"about": "onnxdiag zoo on Fashion-MNIST made by tools/train_zoo.py; calib.npz = "
                     "held-out training images (probe set), eval.npz = test subset (test_acc)",
            "command": "python tools/train_zoo.py " + " ".join(args.argv),
            "splits": {k: v.tolist() for k, v in data["splits"].items() if k != "train"},
            "runs": summary}
-    zoo_path = args.out / "zoo.json"
-    if zoo_path.is_file():  # keep runs done by earlier invocations with other --runs
-        old = json.loads(zoo_path.read_text()).get("runs", {})
-        zoo["runs"] = {**old, **summary}
-    save_json(zoo_path, zoo)
+    save_json(args.out / "zoo.json", zoo)
     print(f"zoo done in {time.time() - t_all:.0f}s: {', '.join(names)}", flush=True)
     return 0
 

@@ -22,7 +22,8 @@ from .options import (
 )
 
 #: = onnxdiag.structured.choice.SCORES / TARGETS / DEFAULT_ALPHA, DEFAULT_BETA
-SCORES = ("magnitude", "bn_scale", "random", "ix", "relevance", "two_axis", "peer")
+SCORES = ("magnitude", "bn_scale", "random", "ix", "relevance", "two_axis", "peer",
+          "synergy", "redundancy")
 TARGETS = ("auto", "labels", "pseudo")
 DEFAULT_ALPHA, DEFAULT_BETA = 1.0, 0.25
 #: = onnxdiag.structured.plan.BUDGETS; onnxdiag.commands.prune_sweep.DEFAULT_RATIOS

@@ -1,7 +1,7 @@
 """Which channels to keep: the per-layer scores of every ``--score`` (higher = keep).
 
 Model-only scores (magnitude, bn_scale, random) and statistics-based ones (ix, relevance,
-two_axis, peer) from one channel-statistics pass."""
+two_axis, peer, synergy, redundancy) from one channel-statistics pass."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ..errors import OnnxDiagError
 MODEL_SCORES = ("magnitude", "bn_scale", "random")
 
 
-STAT_SCORES = ("ix", "relevance", "two_axis", "peer")
+STAT_SCORES = ("ix", "relevance", "two_axis", "peer", "synergy", "redundancy")
 
 
 #: Target T of the channel statistics (docs/METHODS.md §B3).
@@ -91,4 +91,8 @@ def stat_score(name: str, s: dict, *, alpha=DEFAULT_ALPHA, beta=DEFAULT_BETA) ->
         return s["task_info"]
     if name == "peer":
         return 1.0 - s["peer_r2"]
+    if name == "synergy":  # target axis: keep the channels with the most synergy Syn(i)
+        return s["synergy"]
+    if name == "redundancy":  # target axis: keep the least redundant (low Red_T(i)), as peer
+        return -s["redundancy"]
     return alpha * _norm(s["input_capture"]) - beta * _norm(s["task_info"])
