@@ -42,7 +42,9 @@ from .channel_pruning import (
 from .prune_cells import SweepCells, run_cells
 
 COMMAND = "prune-sweep"
-LOCAL_AXIS, TARGET_AXIS = ("ix", "peer"), ("relevance",)
+#: The two axes of METHODS §B6: best local-axis score vs best target-axis score (with synergy
+#: and redundancy the target axis has as many scores to pick from as the local one).
+LOCAL_AXIS, TARGET_AXIS = ("ix", "peer"), ("relevance", "synergy", "redundancy")
 DEFAULT_RATIOS = (0.1, 0.25, 0.5, 0.75)
 SWEEP_BUDGETS = ("uniform", "reference", "global")
 
