@@ -245,3 +245,49 @@ def test_query_head_rows_are_queries():
     assert result.readouts.values["head_grad"] == pytest.approx(expect.values["head_grad"],
                                                                 rel=1e-9)
     assert result.readouts.n_samples == 7 * 5 and result.dense["grid"] == [6]
+
+
+def test_cli_readouts_and_select_on_a_dense_series(tmp_path):
+    """readouts / select / analyze accept a per-position head with label maps; select ranks
+    by mean IoU; a per-sample labels file for a dense head is a one-line user error."""
+    import json
+
+    import onnx
+    from cli_helpers import assert_user_error, run
+
+    x, y = corpus_dense.seg_data(16)
+    np.savez(tmp_path / "seg.npz", x=x, labels=y.astype(np.uint8))
+    for i in range(4):
+        onnx.save(corpus_dense.seg_conv_head(seed=i), tmp_path / f"ckpt_{i}.onnx")
+    res = run("select", *(tmp_path / f"ckpt_{i}.onnx" for i in range(4)), "--data",
+              tmp_path / "seg.npz", "--eval-data", tmp_path / "seg.npz", "--window", "all",
+              "--jobs", 1, "--out", tmp_path / "sel", "--format", "json")
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    sel = report["selection"]
+    assert sel["quality"] == "miou" and len(sel["miou"]) == 4
+    best = max(range(4), key=lambda i: sel["miou"][i])
+    assert sel["evaluation"]["oracle_overall"]["index"] == best
+    assert "mIoU %" in (tmp_path / "sel" / "report.txt").read_text()
+    for verb in ("readouts", "analyze"):
+        res = run(verb, tmp_path / "ckpt_0.onnx", "--data", tmp_path / "seg.npz",
+                  "--eval-data", tmp_path / "seg.npz", "--out", tmp_path / verb,
+                  "--format", "json")
+        assert res.exit_code == 0, res.output
+        out = json.loads(res.stdout)
+        assert out["readouts"]["dense"]["n_ignored"] == int((y == 255).sum())
+        assert out["readouts"]["evaluation"]["miou"] == pytest.approx(sel["miou"][0])
+    assert "skipped" in out["channels"]
+    pytest.importorskip("jsonschema")
+    from onnxdiag.report.schema import validate_report
+
+    validate_report(report)
+    validate_report(out)
+    np.save(tmp_path / "per_sample.npy", np.arange(16) % 5)
+    assert_user_error(run("readouts", tmp_path / "ckpt_0.onnx", "--data", tmp_path / "seg.npz",
+                          "--labels", tmp_path / "per_sample.npy", "--out", tmp_path / "bad"),
+                      "Labels are given twice", out=tmp_path / "bad")
+    np.savez(tmp_path / "x.npz", x=x)
+    assert_user_error(run("readouts", tmp_path / "ckpt_0.onnx", "--data", tmp_path / "x.npz",
+                          "--labels", tmp_path / "per_sample.npy", "--out", tmp_path / "bad"),
+                      "one class per sample", out=tmp_path / "bad")

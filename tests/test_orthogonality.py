@@ -83,6 +83,14 @@ def test_update_along_the_gradient_has_cosine_one(tmp_path):
     assert section["depth"]["layers"] and "single_share" in section["depth"]["trends"]
     csv = (tmp_path / "rep" / "orthogonality.csv").read_text().splitlines()
     assert len(csv) == 1 + len(section["rows"]) and csv[0].startswith("layer,depth,t,")
+    _validate(json.loads(res.stdout))
+
+
+def _validate(report):
+    pytest.importorskip("jsonschema")
+    from onnxdiag.report.schema import validate_report
+
+    validate_report(report)
 
 
 def test_orthogonality_on_linear_layers_of_the_vit_sample(tmp_path):
@@ -129,3 +137,4 @@ def test_channels_reports_the_depth_table(tmp_path):
     header = (tmp_path / "rep" / "channels.csv").read_text().splitlines()[0].split(",")
     assert {"r2_single", "triplet_synergy"} <= set(header)
     assert "higher-order structure by depth" in (tmp_path / "rep" / "report.txt").read_text()
+    _validate(report)
