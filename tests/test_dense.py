@@ -291,3 +291,25 @@ def test_cli_readouts_and_select_on_a_dense_series(tmp_path):
     assert_user_error(run("readouts", tmp_path / "ckpt_0.onnx", "--data", tmp_path / "x.npz",
                           "--labels", tmp_path / "per_sample.npy", "--out", tmp_path / "bad"),
                       "one class per sample", out=tmp_path / "bad")
+
+
+def test_cli_detection_branch_named_with_head_and_features(tmp_path):
+    """Rows = queries: per-query labels (n, queries), background class 0, unassigned 255."""
+    import json
+
+    import onnx
+    from cli_helpers import run
+
+    onnx.save(corpus_dense.query_head(), tmp_path / "det.onnx")
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((10, 6, 16)).astype(np.float32)
+    y = rng.integers(0, 5, (10, 6))
+    y[::2, 0] = 255
+    np.savez(tmp_path / "q.npz", x=x, labels=y)
+    res = run("readouts", tmp_path / "det.onnx", "--data", tmp_path / "q.npz", "--eval-data",
+              tmp_path / "q.npz", "--head", "head", "--features", "feat", "--out",
+              tmp_path / "rep", "--format", "json")
+    assert res.exit_code == 0, res.output
+    ro = json.loads(res.stdout)["readouts"]
+    assert ro["dense"]["n_rows"] == 60 - 5 and ro["dense"]["n_ignored"] == 5
+    assert ro["readouts"]["n_samples"] == 55 and ro["evaluation"]["n_rows"] == 55
