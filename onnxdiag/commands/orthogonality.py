@@ -85,7 +85,9 @@ def orthogonality_report(checkpoints, *, data,
                   "data": request.params(), "head": head.head, "features": head.features,
                   "providers": runtime.providers}
         meta = build_metadata(command="orthogonality", parameters=params,
-                              model_path=series[-1].path, data={"calibration": passes[-1][1]})
+                              model_path=series[-1].path, model_hash=passes[-1][3],
+                              data={"calibration": passes[-1][1]})
+        meta["model_hashes"] = [p[3] for p in passes]
         out = {"schema": SCHEMA_VERSION, "metadata": meta, "orthogonality": section}
         text = render_header(meta) + render_orthogonality(section)
         return finish("orthogonality", out, text, claim, report.overwrite,
@@ -93,9 +95,9 @@ def orthogonality_report(checkpoints, *, data,
 
 
 def _checkpoint_pass(checkpoint, request, options, head, runtime):
-    """(InputMoments per layer, data description, targets) of one checkpoint."""
+    """(InputMoments per layer, data description, targets, sha256) of one checkpoint."""
     from ..channels.inputs import collect_input_moments, find_input_layers
-    from ..model.io import get_input_specs, load_model
+    from ..model.io import get_input_specs, load_model, model_hash
     from ..selection.probe import resolve_targets
     from .channels import refuse_dense
 
@@ -112,13 +114,13 @@ def _checkpoint_pass(checkpoint, request, options, head, runtime):
         model, structure, source, layers, targets=targets, n_positions=options.n_positions,
         seed=options.seed, providers=runtime.providers,
         label=f"Input moments {checkpoint.index}" if runtime.progress else None)
-    return moments, source.describe(), targets
+    return moments, source.describe(), targets, model_hash(model)
 
 
 def _check_series(series, passes) -> list[str]:
     """The layer names shared by the series; OnnxDiagError when the architectures differ."""
     first = passes[0][0]
-    for c, (moments, _, _) in zip(series[1:], passes[1:]):
+    for c, (moments, *_) in zip(series[1:], passes[1:]):
         shapes = {k: m.W.shape for k, m in moments.items()}
         if shapes != {k: m.W.shape for k, m in first.items()}:
             raise OnnxDiagError(f"Checkpoint {c.path!r} has other layers or weight shapes than "
