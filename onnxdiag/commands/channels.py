@@ -241,7 +241,8 @@ def channel_section(model, source, structure, options: ChannelsOptions | None = 
     One statistics pass over ``source`` (a DataSource, e.g. the probe batch), the scores
     and the §B4 structure per layer; the summary per layer is the axis correlations, the
     ARI, the noise floor count and the most / least substitutable channels (by peer R²,
-    with their R² values). Per-channel tables are left to ``onnxdiag channels``.
+    with their R² values). Per-channel tables and the §B4 depth table are left to
+    ``onnxdiag channels``.
     ``options``: a :class:`ChannelsOptions`, or its fields as keywords (``targets=…,
     seed=…``; given fields replace those of ``options``). ``model`` is a loaded
     ModelProto (never modified) and ``structure`` its
@@ -262,15 +263,13 @@ def channel_section(model, source, structure, options: ChannelsOptions | None = 
     stats = collect_channel_moments(model, structure, source, options.settings(),
                                     providers=providers, label=label)
     scored, summary = _score(model, stats, structure, options)
-    section = _section([_ModelChannels(model_name, stats, scored, summary,
-                                       higher=_higher(stats, options))])
+    section = _section([_ModelChannels(model_name, stats, scored, summary)])
     for row in section["layers"]:
         r2 = row.pop("scores")["scores"]["peer_r2"]
         row["most_substitutable_r2"] = [float(r2[i]) for i in row["most_substitutable"]]
         row["least_substitutable_r2"] = [float(r2[i]) for i in row["least_substitutable"]]
     section["params"] = {k: getattr(options, k) for k in
-                         ("n_positions", "task_samples", "k_peers", "ridge", "seed", "tap",
-                          "triplet_partners", "triplet_top")}
+                         ("n_positions", "task_samples", "k_peers", "ridge", "seed", "tap")}
     return section, render_channels(section)
 
 
