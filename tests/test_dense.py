@@ -313,3 +313,20 @@ def test_cli_detection_branch_named_with_head_and_features(tmp_path):
     ro = json.loads(res.stdout)["readouts"]
     assert ro["dense"]["n_rows"] == 60 - 5 and ro["dense"]["n_ignored"] == 5
     assert ro["readouts"]["n_samples"] == 55 and ro["evaluation"]["n_rows"] == 55
+
+
+def test_bundled_segmentation_sample(tmp_path):
+    """models/seg: the head is found without data as a per-position 1×1 conv, verified on
+    the probe, and the readouts run on its label maps (uint8, with ignored fringes)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "models" / "seg"
+    model = load_model(root / "model.onnx")
+    structure = analyze_structure(model)
+    assert (structure.head.node_name, structure.head.dense) == ("/head/Conv", True)
+    probe = DataRequest(str(root / "calib.npz"), limit=8).open(get_input_specs(model),
+                                                               classes=11)
+    result = probe_model(model, structure, probe, eval_source=probe)
+    assert result.head_rel_error <= 1e-4 and result.dense["grid"] == [56, 56]
+    assert result.dense["n_rows"] + result.dense["n_ignored"] == 8 * 56 * 56
+    assert 0 < result.evaluation.miou < 1
