@@ -43,6 +43,7 @@ _VERBS = {
     "select_report": "commands.select",
     "channels_report": "commands.channels",
     "lesion_report": "commands.lesion",
+    "orthogonality_report": "commands.orthogonality",
     "prune_channels_report": "commands.prune_channels",
     "prune_sweep_report": "commands.prune_sweep",
     "rr_report": "commands.rr",
@@ -57,6 +58,7 @@ _RECORDS = {name: "commands.base" for name in ("DataRequest", "HeadChoice", "Run
 _RECORDS.update({
     "ReadoutOptions": "commands.analyze", "SelectOptions": "commands.select",
     "ChannelsOptions": "commands.channels", "LesionOptions": "commands.lesion",
+    "OrthogonalityOptions": "commands.orthogonality",
     "RROptions": "commands.rr", "PruneOptions": "commands.prune",
     "SweepOptions": "commands.sweep", "PrunerOptions": "commands.pruning",
     "ChannelPruneOptions": "commands.prune_channels",
@@ -71,6 +73,7 @@ CLI_VERBS = {
     "select": "select_report",
     "channels": "channels_report",
     "lesion": "lesion_report",
+    "orthogonality": "orthogonality_report",
     "prune-channels": "prune_channels_report",
     "prune-sweep": "prune_sweep_report",
     "rr": "rr_report",

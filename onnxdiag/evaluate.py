@@ -2,7 +2,9 @@
 
 - :func:`make_head_runner` — a runner exposing the head's features and logits.
 - :func:`evaluate` — top-1 accuracy and cross-entropy of a model (or a runner) on labelled
-  data; None without data. The one evaluation entry point of the commands.
+  data; None without data. The one evaluation entry point of the commands.  For a
+  per-position head (docs/METHODS.md §A4) on label maps: mean IoU, pixel accuracy and
+  per-pixel cross-entropy, ignore-index pixels left out.
 - :func:`evaluate_model` — the same over a head runner.
 - :func:`compare_models` — max logit difference and top-1 agreement of two models."""
 
@@ -12,7 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .data.labels import IGNORE_INDEX
 from .errors import DataError
+from .graph.dense import class_axis, position_rows
 from .graph.head import feature_matrix
 from .model.expose import expose_tensors
 from .runtime.runner import OrtRunner
@@ -50,22 +54,44 @@ def head_arrays(outputs: dict[str, np.ndarray], head) -> tuple[np.ndarray, np.nd
     Z by ``head.features_reduce`` (:func:`onnxdiag.graph.head.feature_matrix`): the
     features flattened, their mean over spatial positions (a 1×1 conv before global
     average pooling: the pooled logits are W · mean(z) + b), or the picked token's row.
+    A per-position head gives rows = positions: Z (rows, n_features), U (rows, n_classes).
     """
     n = np.shape(outputs[head.features])[0]
+    if head.features_reduce == "positions":
+        U = position_rows(outputs[head.logits], class_axis(head.op_type))
+        return feature_matrix(outputs[head.features], head, U), U
     U = np.asarray(outputs[head.logits], dtype=np.float64).reshape(n, -1)
     return feature_matrix(outputs[head.features], head, U), U
 
 
 @dataclass(frozen=True)
 class Evaluation:
-    """Top-1 accuracy and cross-entropy of a model on labelled data."""
+    """Top-1 accuracy and cross-entropy of a model on labelled data.
+
+    For a per-position head (§A4) ``accuracy`` and ``loss`` are per labelled position
+    (pixel accuracy, mean cross-entropy), ``miou`` the mean IoU over the classes with a
+    non-empty union (``iou`` per class, None where a class is neither predicted nor
+    labelled), ``n_rows`` the labelled positions; ``quality`` names the value that ranks
+    checkpoints ("miou", else "accuracy")."""
 
     n_samples: int
     accuracy: float
     loss: float
+    miou: float | None = None
+    iou: tuple | None = None
+    n_rows: int | None = None
+    ignore_index: int | None = None
+
+    @property
+    def quality(self) -> str:
+        return "accuracy" if self.miou is None else "miou"
 
     def to_dict(self) -> dict:
-        return {"n_samples": self.n_samples, "accuracy": self.accuracy, "loss": self.loss}
+        out = {"n_samples": self.n_samples, "accuracy": self.accuracy, "loss": self.loss}
+        if self.miou is not None:
+            out.update(quality="miou", miou=self.miou, iou=list(self.iou),
+                       n_rows=self.n_rows, ignore_index=self.ignore_index)
+        return out
 
 
 class EvalAccumulator:
@@ -87,35 +113,89 @@ class EvalAccumulator:
         return Evaluation(self.n, self.correct / self.n, self.loss_sum / self.n)
 
 
+class DenseEvalAccumulator:
+    """Streams per-position logits + label maps into a confusion matrix (exact for any
+    split): pixel accuracy, mean cross-entropy and IoU_c = TP / (TP + FP + FN)."""
+
+    def __init__(self, n_classes: int, ignore_index: int = IGNORE_INDEX):
+        self.confusion = np.zeros((n_classes, n_classes), dtype=np.int64)
+        self.ignore_index, self.n_images, self.loss_sum = ignore_index, 0, 0.0
+
+    def update(self, U_rows: np.ndarray, labels: np.ndarray, n_images: int) -> None:
+        """U_rows (rows, C) and labels (rows,), ignored rows already dropped."""
+        c = self.confusion.shape[0]
+        logp = log_softmax(U_rows)
+        self.loss_sum += float(-logp[np.arange(len(labels)), labels].sum())
+        pairs = labels * c + U_rows.argmax(axis=1)
+        self.confusion += np.bincount(pairs, minlength=c * c).reshape(c, c)
+        self.n_images += n_images
+
+    def result(self) -> Evaluation:
+        n = int(self.confusion.sum())
+        if n == 0:
+            raise DataError("The evaluation label maps have no labelled position (all are "
+                            f"the ignore index {self.ignore_index}); give labelled maps.")
+        tp = np.diag(self.confusion).astype(np.float64)
+        union = self.confusion.sum(0) + self.confusion.sum(1) - tp
+        iou = tuple(float(t / u) if u > 0 else None for t, u in zip(tp, union))
+        present = [v for v in iou if v is not None]
+        return Evaluation(self.n_images, float(tp.sum() / n), self.loss_sum / n,
+                          miou=float(np.mean(present)), iou=iou, n_rows=n,
+                          ignore_index=self.ignore_index)
+
+
 def make_head_runner(model, head, *, providers=None, threads=None) -> OrtRunner:
     """A session over a copy of ``model`` that also outputs the head's Z and U tensors."""
     return OrtRunner(expose_tensors(model, [head.features, head.logits]), providers=providers,
                      threads=threads)
 
 
-def evaluate_model(runner: OrtRunner, head, source, *, label: str | None = None) -> Evaluation:
-    """Top-1 accuracy and loss of the head's logits on a labelled DataSource."""
+def evaluate_model(runner: OrtRunner, head, source, *, label: str | None = None,
+                   ignore_index: int = IGNORE_INDEX) -> Evaluation:
+    """Top-1 accuracy and loss of the head's logits on a labelled DataSource (with a
+    per-position head: mean IoU too, ``ignore_index`` pixels left out)."""
     if not source.has_labels:
         raise DataError("--eval-data has no labels; evaluation needs labelled data (an npz "
                         "with a 'labels' key, --eval-labels FILE, or class sub-folders).")
-    from .data.labels import check_batch_labels, source_name
+    from .data.labels import check_batch_labels, is_label_map, source_name
 
+    if head.features_reduce == "positions":
+        return _evaluate_dense(runner, head, source, label, ignore_index)
     acc = EvalAccumulator()
     for batch, outputs in runner.stream(source, [head.features, head.logits], label=label):
         _, U = head_arrays(outputs, head)
+        if is_label_map(batch.labels):
+            raise DataError(f"{source_name(source)} holds label maps {batch.labels.shape[1:]},"
+                            f" but head {head.node_name!r} gives one class per sample; give "
+                            "one label per sample.")
         check_batch_labels(batch.labels, batch.indices, U.shape[1], source_name(source))
         acc.update(U, batch.labels)
     return acc.result()
 
 
+def _evaluate_dense(runner, head, source, label, ignore_index) -> Evaluation:
+    from .data.labels import check_batch_labels, source_name
+    from .selection.dense import dense_batch
+
+    acc = DenseEvalAccumulator(head.n_classes, ignore_index)
+    for batch, outputs in runner.stream(source, [head.features, head.logits], label=label):
+        check_batch_labels(batch.labels, batch.indices, head.n_classes, source_name(source),
+                           ignore_index=ignore_index)
+        rows = dense_batch(outputs[head.features], outputs[head.logits], head, batch.labels,
+                           ignore_index=ignore_index, where=source_name(source))
+        acc.update(rows.U, rows.labels, rows.n_images)
+    return acc.result()
+
+
 def evaluate(model, head, source, *, providers=None, threads=None,
-             label: str | None = None) -> Evaluation | None:
+             label: str | None = None, ignore_index: int = IGNORE_INDEX) -> Evaluation | None:
     """Top-1 accuracy and loss of ``model`` on the labelled DataSource ``source``.
 
     ``model``: a ModelProto (the head's tensors are exposed on a copy), serialized bytes
     of one, or an :class:`OrtRunner` that already outputs ``head.features`` and
     ``head.logits``. Returns None when ``source`` is None; raises DataError on unlabelled
-    data. Never modifies ``model``.
+    data. ``ignore_index``: the label-map value of ignored pixels (per-position heads).
+    Never modifies ``model``.
     """
     if source is None:
         return None
@@ -126,4 +206,4 @@ def evaluate(model, head, source, *, providers=None, threads=None,
 
         proto = model if isinstance(model, onnx.ModelProto) else onnx.load_from_string(model)
         runner = make_head_runner(proto, head, providers=providers, threads=threads)
-    return evaluate_model(runner, head, source, label=label)
+    return evaluate_model(runner, head, source, label=label, ignore_index=ignore_index)

@@ -85,8 +85,9 @@ def test_html_has_one_decodable_plot_per_section(reports):
     import base64
 
     # analyze: readouts, channel axes, RR curves, transition scan; readouts: its readouts;
-    # rr: RR curves + scan; sweep: accuracy vs sparsity + per-layer sparsity bars.
-    expected = {"analyze": 4, "readouts": 1, "select": 1, "channels": 1, "rr": 2, "sweep": 2,
+    # rr: RR curves + scan; sweep: accuracy vs sparsity + per-layer sparsity bars;
+    # channels: channel axes + the higher-order structure by depth (§B4).
+    expected = {"analyze": 4, "readouts": 1, "select": 1, "channels": 2, "rr": 2, "sweep": 2,
                 "prune-sweep": 1}
     for verb, n in expected.items():
         page = (reports[verb] / "report.html").read_text()

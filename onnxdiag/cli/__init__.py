@@ -28,7 +28,7 @@ from ..errors import OnnxDiagError
 #: command -> the module of this package that defines it.
 COMMANDS = {
     "analyze": "readouts", "inspect": "readouts", "readouts": "readouts", "select": "readouts",
-    "channels": "channels", "lesion": "channels",
+    "channels": "channels", "lesion": "channels", "orthogonality": "channels",
     "rr": "sparse", "prune": "sparse", "sweep": "sparse",
     "prune-channels": "structured", "prune-sweep": "structured",
 }

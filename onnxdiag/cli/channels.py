@@ -1,4 +1,4 @@
-"""CLI verbs of the channel family: channels, lesion."""
+"""CLI verbs of the channel family: channels, lesion, orthogonality."""
 
 from __future__ import annotations
 
@@ -49,6 +49,9 @@ def _targets_option(help: str):
                    "it, or the layer evaluated in float64 at the sampled positions from its "
                    "input; auto = input where that copies far fewer values out of the session "
                    "(e.g. a first conv on a grey image).")
+@click.option("--triplet-partners", type=click.IntRange(min=2), default=10, show_default=True,
+              help="Higher-order structure by depth: triplets among each channel's most "
+                   "correlated partners (docs/METHODS.md §B4).")
 @output_options
 def channels(models, **kw):
     """Two-axis channel information (docs/METHODS.md §B): local substitutability vs task
@@ -65,6 +68,38 @@ def channels(models, **kw):
     kw["layers"] = tuple(kw["layers"]) or None
     emit_result(channels_report(list(models), **rec.library(), options=ChannelsOptions(**kw)),
                 rec.fmt)
+
+
+@cli.command()
+@click.argument("checkpoints", nargs=-1, required=True)
+@data_options(required=True)
+@sampling_options
+@runtime_options()
+@head_options
+@_targets_option("Target T of the task information: ground-truth logit margin (labels) or "
+                 "the predicted class's (pseudo); auto = labels when the data has them.")
+@click.option("--positions", "n_positions", type=click.IntRange(min=1), default=16,
+              show_default=True, help="Positions (tokens) sampled per input.")
+@click.option("--layer", "layers", multiple=True,
+              help="Analyse only this layer (repeatable; default: every Conv with group 1 "
+                   "and every Gemm/MatMul with a constant weight, >= 4 outputs, no head).")
+@click.option("--early", type=click.IntRange(min=0), default=2, show_default=True,
+              help="How many first updates the summary counts as early training.")
+@output_options
+def orthogonality(checkpoints, **kw):
+    """Cosine between each layer's weight update and the gradients of its total input
+    capture and task information, over a checkpoint series (docs/METHODS.md §B4).
+
+    CHECKPOINTS: .onnx files of one architecture in training order, a folder (natural
+    sort order), or a JSON/CSV listing. Writes report.json, report.txt and
+    orthogonality.csv.
+    """
+    from ..commands.orthogonality import OrthogonalityOptions, orthogonality_report
+
+    rec = take_records(kw)
+    kw["layers"] = tuple(kw["layers"]) or None
+    emit_result(orthogonality_report(list(checkpoints), **rec.library(),
+                                     options=OrthogonalityOptions(**kw)), rec.fmt)
 
 
 @cli.command()

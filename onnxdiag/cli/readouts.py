@@ -32,6 +32,10 @@ def readout_options(f):
         click.option("--norm", type=click.Choice(["raw", "feature", "head"]), default="feature",
                      show_default=True, help="Head-gradient normalisation used to select."),
         click.option("--include-bias", is_flag=True, help="Add the bias gradient to the norm."),
+        click.option("--ignore-index", type=click.IntRange(min=0), default=255,
+                     show_default=True,
+                     help="Label-map value of ignored positions, for a head applied at every "
+                          "position (segmentation; docs/METHODS.md §A4)."),
     ])
 
 

@@ -31,13 +31,15 @@ class ReadoutOptions:
     (label-free); ``auto`` = labels when the probe data has them. ``norm``: the
     head-gradient normalisation used to select (``raw``, ``feature``, ``head``).
     ``include_bias``: add the bias gradient to the norm. ``seed``: random choices of the
-    channel statistics (``analyze``).
+    channel statistics (``analyze``). ``ignore_index``: the label-map value of ignored
+    positions for a per-position head (docs/METHODS.md §A4).
     """
 
     targets: str = "auto"
     norm: str = "feature"
     include_bias: bool = False
     seed: int = 0
+    ignore_index: int = 255
 
 
 def inspect_model(model=None, *, head: HeadChoice = HeadChoice()):  # noqa: B008
@@ -118,7 +120,8 @@ def _single_model_report(command, path, roles, options, head, runtime, report):
                                    providers=runtime.providers)
         specs = get_input_specs(model)
         classes = structure.head.n_classes if structure.head is not None else None
-        probe, evaluation = (None if req is None else req.open(specs, classes=classes)
+        probe, evaluation = (None if req is None else
+                             open_checked(req, specs, classes, options.ignore_index)
                              for req in (roles["data"], roles["eval_data"]))
         sections, texts, runner = _sections(command, path, model, structure, probe,
                                             evaluation, options, runtime)
@@ -135,9 +138,21 @@ def _single_model_report(command, path, roles, options, head, runtime, report):
                       csv_name="readouts.csv")
 
 
+def open_checked(request, specs, classes, ignore_index: int):
+    """``request`` opened for ``specs`` with its labels checked against ``classes`` (label
+    maps may also hold ``ignore_index``), before any work."""
+    from ..data.labels import check_label_range
+
+    source = request.open(specs)
+    if classes and source.has_labels:
+        check_label_range(source, classes, ignore_index=ignore_index)
+    return source
+
+
 def _sections(command, path, model, structure, probe, evaluation, options, runtime):
     """({section: dict}, [text], head runner or None) of one model."""
     from ..evaluate import make_head_runner
+    from ..selection.dense import render_dense
     from ..selection.probe import probe_model
 
     sections, texts, runner = {}, [], None
@@ -153,12 +168,26 @@ def _sections(command, path, model, structure, probe, evaluation, options, runti
     result = probe_model(model, structure, probe, eval_source=evaluation,
                          targets=options.targets, norm=options.norm,
                          include_bias=options.include_bias, runner=runner,
-                         label="Probing" if runtime.progress else None)
+                         label="Probing" if runtime.progress else None,
+                         ignore_index=options.ignore_index)
     sections["readouts"] = result.to_dict()
-    texts.append(render_readouts(to_jsonable(sections["readouts"])))
-    if command == "analyze":
+    texts.append(render_readouts(to_jsonable(sections["readouts"]))
+                 + render_dense(sections["readouts"]))
+    if command == "analyze" and structure.head.dense:
+        texts.append(_skip_dense(sections))
+    elif command == "analyze":
         _analysis_sections(sections, texts, path, model, structure, probe, options, runtime)
     return sections, texts, runner
+
+
+def _skip_dense(sections) -> str:
+    """analyze on a per-position head: the channel and repairability sections need one
+    target per image (docs/METHODS.md §B3), which a dense head does not define."""
+    reason = ("the head is applied at every position (docs/METHODS.md §A4); the channel "
+              "target T and the repairability agreement are defined per image only")
+    sections["channels"] = {"skipped": reason, "layers": []}
+    sections["repairability"] = {"skipped": reason}
+    return f"== Channels and repairability ==\nskipped: {reason}.\n"
 
 
 def _analysis_sections(sections, texts, path, model, structure, probe, options, runtime):
@@ -193,4 +222,6 @@ def readout_row(path, result: dict) -> dict:
            "targets": r["targets"], "degenerate": r["degenerate"]}
     ev = result.get("evaluation") or {}
     row.update({"top1": ev.get("accuracy"), "eval_loss": ev.get("loss")})
+    if ev.get("miou") is not None:
+        row["miou"] = ev["miou"]
     return row

@@ -38,6 +38,9 @@ class ChannelsOptions:
     layer with ≥ 4 channels, head excluded). ``tap``: where each layer's samples come
     from ("auto", "output", "input"; :func:`onnxdiag.channels.taps.choose_taps`).
     ``seed``: the positions, the permutation control and the k-means.
+    ``triplet_partners`` / ``triplet_top``: the higher-order structure by depth
+    (docs/METHODS.md §B4, :mod:`onnxdiag.channels.higher`): triplets among each channel's
+    m most correlated partners, the top ones averaged.
     """
 
     targets: str = "auto"
@@ -48,6 +51,8 @@ class ChannelsOptions:
     layers: tuple | None = None
     tap: str = "auto"
     seed: int = 0
+    triplet_partners: int = 10
+    triplet_top: int = 10
 
     def __post_init__(self):
         if self.layers is not None and not isinstance(self.layers, tuple):
@@ -72,6 +77,7 @@ class _ModelChannels:
     scored: dict
     summary: dict
     sha256: str | None = None
+    higher: dict | None = None
 
 
 def channels_report(models, *, data, options: ChannelsOptions = ChannelsOptions(),
@@ -117,7 +123,8 @@ def channels_report(models, *, data, options: ChannelsOptions = ChannelsOptions(
     out = {"schema": SCHEMA_VERSION, "metadata": meta, "channels": section}
     text = render_header(meta) + render_channels(section)
     return finish("channels", out, text, folder, report.overwrite,
-                  csv=channel_rows_csv(per_model[-1].scored), csv_name="channels.csv")
+                  csv=channel_rows_csv(per_model[-1].scored, per_model[-1].higher),
+                  csv_name="channels.csv")
 
 
 def _model_channels(path, request: DataRequest, options: ChannelsOptions, head: HeadChoice,
@@ -128,6 +135,7 @@ def _model_channels(path, request: DataRequest, options: ChannelsOptions, head: 
 
     model = load_model(path)
     structure = find_structure(model, head, request, providers=runtime.providers)
+    refuse_dense(structure)
     label = "Channel statistics" if runtime.progress else None
     if ex.in_process:  # one streaming pass here, as without an executor
         source = request.open(get_input_specs(model), classes=structure.head.n_classes)
@@ -140,7 +148,21 @@ def _model_channels(path, request: DataRequest, options: ChannelsOptions, head: 
                                                 executor=ex, providers=runtime.providers,
                                                 label=label)
     scored, summary = _score(model, stats, structure, options)
-    return _ModelChannels(path, stats, scored, summary, model_hash(model))
+    return _ModelChannels(path, stats, scored, summary, model_hash(model),
+                          _higher(stats, options))
+
+
+def refuse_dense(structure) -> None:
+    """OnnxDiagError for a per-position head: the target T of docs/METHODS.md §B3 is one
+    logit margin per image, which a head applied at every position does not give."""
+    from ..errors import OnnxDiagError
+
+    if structure.head is not None and structure.head.dense:
+        raise OnnxDiagError(
+            f"Head {structure.head.node_name!r} is applied at every position (a segmentation "
+            "or detection head, docs/METHODS.md §A4); the channel statistics need one target "
+            "per image (§B3). Use readouts/select for this model, or name a per-image head "
+            "with --head/--features.")
 
 
 def at_data_shapes(model, structure, source, providers=None):
@@ -162,6 +184,32 @@ def _score(model, stats, structure, options) -> tuple[dict, dict]:
     return scored, summarize_layers([s for _, s, _ in scored.values()], seed=options.seed)
 
 
+def _higher(stats, options) -> dict:
+    """Per analysed layer (with ≥ 3 channels): its higher-order structure (§B4)."""
+    from ..channels.higher import higher_order_layer
+
+    out = {}
+    for name, lm in stats.layers.items():
+        if lm.n_channels < 3:
+            continue
+        _, cov_local = lm.local_moments()
+        cov_yy, cov_yt, var_t = lm.target_moments()
+        out[name] = higher_order_layer(cov_local, cov_yy, cov_yt, var_t, layer=name,
+                                       k_peers=options.k_peers, ridge=options.ridge,
+                                       triplet_partners=options.triplet_partners,
+                                       triplet_top=options.triplet_top)
+    return out
+
+
+def depth_section(higher: dict) -> dict:
+    """The §B4 depth table: one row per layer in graph order, the trends against depth."""
+    from ..channels.higher import depth_trends
+
+    rows = [{"depth": d, **h.to_dict()} for d, h in enumerate(higher.values())]
+    params = next(iter(higher.values())).params if higher else {}
+    return {"layers": rows, "trends": depth_trends(rows), "params": params}
+
+
 def _section(per_model: list[_ModelChannels]) -> dict:
     last = per_model[-1]
     stats = last.stats
@@ -169,12 +217,15 @@ def _section(per_model: list[_ModelChannels]) -> dict:
               for row in last.summary["layers"]]
     trajectory = [{"model": str(m.path), **m.summary["median"]}
                   for m in per_model] if len(per_model) > 1 else []
-    return {"model": str(last.path), "targets": stats.targets,
+    section = {"model": str(last.path), "targets": stats.targets,
             "targets_flag": "pseudo-labels (predicted class), not ground truth"
             if stats.targets == "pseudo" else "",
             "task_samples": stats.task_samples, "n_positions": stats.n_positions,
             "n_images": stats.n_images, "kinds": dict(stats.kinds),
             "median": last.summary["median"], "layers": layers, "trajectory": trajectory}
+    if last.higher is not None:
+        section["depth"] = depth_section(last.higher)
+    return section
 
 
 def _layer_row(row: dict, layer, scores, floor, taps: dict) -> dict:
@@ -240,9 +291,18 @@ def channel_section(model, source, structure, options: ChannelsOptions | None = 
     return section, render_channels(section)
 
 
-def channel_rows_csv(scored) -> str:
-    """One CSV row per channel: layer, channel, every score."""
-    return rows_to_csv([row for _, scores, _ in scored.values() for row in scores.to_rows()])
+def channel_rows_csv(scored, higher: dict | None = None) -> str:
+    """One CSV row per channel: layer, channel, every score (and the §B4 higher-order
+    values R²_1 and triplet synergy when ``higher`` is given)."""
+    rows = []
+    for name, (_, scores, _) in scored.items():
+        extra = (higher or {}).get(name)
+        for row in scores.to_rows():
+            if extra is not None:
+                row.update({k: float(v[row["channel"]]) for k, v in extra.channels.items()
+                            if k in ("r2_single", "triplet_synergy")})
+            rows.append(row)
+    return rows_to_csv(rows)
 
 
 def render_channels(section: dict) -> str:
@@ -276,6 +336,8 @@ def render_channels(section: dict) -> str:
                      "Runtime); other layers sample ONNX Runtime's conv output.")
     if section["targets_flag"]:
         lines.append(f"NOTE: targets are {section['targets_flag']}.")
+    if section.get("depth"):
+        lines.append(render_depth(section["depth"]))
     if section["trajectory"]:
         traj = [{"checkpoint": t["model"].rsplit("/", 1)[-1],
                  "rho(I_X,I_T)": t.get("input_capture_vs_task_info"),
@@ -296,6 +358,22 @@ def _kinds_text(kinds: dict) -> str:
     names = {"conv": "conv layer(s) (Conv)", "linear": "linear layer(s) (Gemm/MatMul; "
              "positions are tokens, or one per input)"}
     return ", ".join(f"{n} {names.get(k, k)}" for k, n in kinds.items()) or "none"
+def render_depth(depth: dict) -> str:
+    """The §B4 higher-order table: singleton vs distributed R², pair vs triplet synergy."""
+    rows = [{"depth": r["depth"], "layer": r["layer"], "C": r["n_channels"],
+             "R2 1 peer": r["r2_single"], f"R2 {r['params']['k_peers']} peers": r["r2_multi"],
+             "share 1/k": r["single_share"], "pair Syn": r["pair_synergy"],
+             "triplet Syn": r["triplet_synergy"], "excess": r["triplet_excess"]}
+            for r in depth["layers"]]
+    t = depth["trends"]
+    return "\n".join([
+        render_table(rows, title="higher-order structure by depth (docs/METHODS.md §B4; "
+                                 "medians over channels)").rstrip(),
+        "spearman vs depth: share 1/k "
+        f"{fmt_nan3(t.get('single_share'))}, R2 k peers {fmt_nan3(t.get('r2_multi'))}, "
+        f"triplet Syn {fmt_nan3(t.get('triplet_synergy'))}, excess "
+        f"{fmt_nan3(t.get('triplet_excess'))} (published: singleton duplicates early, "
+        "distributed shells deep: share falls with depth; triplet synergy rises with depth)"])
 
 
 def fmt_nan3(x) -> str:

@@ -32,7 +32,9 @@ class SelectOptions:
     last K checkpoints, or ``"all"``. ``patience``: early stopping after this many
     checkpoints without improvement. ``select_by``: the readout of the headline choice
     (None: the head gradient of ``norm``). ``seed``: kept for the record (the probe
-    subset's seed is the data request's).
+    subset's seed is the data request's). ``ignore_index``: the label-map value of
+    ignored positions of a per-position head (docs/METHODS.md §A4); with such a head and
+    labelled evaluation maps the checkpoints are ranked by mean IoU.
     """
 
     targets: str = "auto"
@@ -42,6 +44,7 @@ class SelectOptions:
     patience: int = 3
     select_by: str | None = None
     seed: int = 0
+    ignore_index: int = 255
 
 
 def select_report(checkpoints, *, data, eval_data=None,
@@ -106,7 +109,7 @@ def _score_series(series, data, eval_data, options, head, runtime):
     shared = open_shared_data(series, data, eval_data)
     scoring = ScoringOptions(head=head.head, features=head.features, targets=options.targets,
                              norm=options.norm, include_bias=options.include_bias,
-                             providers=runtime.providers)
+                             providers=runtime.providers, ignore_index=options.ignore_index)
     with open_executor(runtime.executor, runtime.jobs) as ex:
         shipped = [None if d is None else ex.ship(d.request, d.source) for d in shared]
         scored = score_checkpoints(series, *shipped, options=scoring, executor=ex,
@@ -154,9 +157,13 @@ def summarize_series(ok, *, window, patience, select_by: str, has_eval: bool) ->
         out.update(selected=pick, selected_path=ok[pick].checkpoint.path,
                    early_stop={"stopped_at": stop.stopped_at, "keep": stop.best})
     if has_eval:
-        acc = [s.result["evaluation"]["accuracy"] for s in ok]
+        quality = _quality(ok)
+        acc = [s.result["evaluation"][quality] for s in ok]
         loss = [s.result["evaluation"]["loss"] for s in ok]
-        out["accuracy"], out["loss"] = acc, loss
+        out["accuracy"] = [s.result["evaluation"]["accuracy"] for s in ok]
+        out["loss"], out["quality"] = loss, quality
+        if quality == "miou":
+            out["miou"] = acc
         if zoo:  # the per-use count: shared initializers count once per layer
             n_params = [s.n_params for s in ok]
             out["screening"] = {n: rank_models(values[n], acc, READOUTS[n].direction,
@@ -173,6 +180,13 @@ def summarize_series(ok, *, window, patience, select_by: str, has_eval: bool) ->
     return out
 
 
+def _quality(ok) -> str:
+    """What ranks the checkpoints: mean IoU when every evaluation has it (a per-position
+    head on label maps, docs/METHODS.md §A4), else top-1 accuracy."""
+    return "miou" if all(s.result["evaluation"].get("miou") is not None for s in ok) \
+        else "accuracy"
+
+
 def render_selection(section: dict, ok, select_by: str) -> str:
     """Readout-vs-checkpoint table, the choice, and (with labels) how good it was."""
     from ..report import render_table
@@ -182,8 +196,10 @@ def render_selection(section: dict, ok, select_by: str) -> str:
         vals = s.result["readouts"]["values"]
         row = {"#": i, "checkpoint": _short(s.checkpoint.path), "step": s.checkpoint.step}
         row.update({n: vals.get(n) for n in TABLE_READOUTS if n in vals})
+        if "miou" in section:
+            row["mIoU %"] = 100 * section["miou"][i]
         if "accuracy" in section:
-            row["top1 %"] = 100 * section["accuracy"][i]
+            row["pixel %" if "miou" in section else "top1 %"] = 100 * section["accuracy"][i]
         row["flag"] = "degenerate" if i in section["flagged"] else ""
         rows.append(row)
     lines = ["== Checkpoints ==", render_table(rows).rstrip()]
@@ -198,7 +214,7 @@ def render_selection(section: dict, ok, select_by: str) -> str:
                      if es["stopped_at"] is not None else
                      f"early stopping: never triggered; best so far #{es['keep']}")
     if "evaluation" in section:
-        lines += ["", _render_evaluation(section["evaluation"])]
+        lines += ["", _render_evaluation(section["evaluation"], section.get("quality"))]
     if "screening" in section:
         srows = [{"readout": n, "spearman": r["spearman"], "kendall": r["kendall"],
                   "params spearman": r["baseline_spearman"],
@@ -221,27 +237,31 @@ def _shared_params_lines(ok, k: int = 5) -> list[str]:
     return [f"shared initializers: {shown}{more}; n_params and its baselines count every use."]
 
 
-def _render_evaluation(ev: dict) -> str:
+def _render_evaluation(ev: dict, quality: str | None = None) -> str:
     from ..report import render_table
 
+    column = "mIoU %" if quality == "miou" else "top1 %"
     rows = []
     for name, r in ev["readouts"].items():
         sel = r.get("selected") or {}
         rows.append({"readout": name, "better": r["direction"],
                      "pearson": r["vs_accuracy"]["pearson"],
                      "spearman": r["vs_accuracy"]["spearman"],
-                     "pick": sel.get("index"), "top1 %": _pct(sel.get("accuracy")),
+                     "pick": sel.get("index"), column: _pct(sel.get("accuracy")),
                      "gap pp": sel.get("gap_window_pp"), "gap all pp": sel.get("gap_overall_pp"),
                      "sign": "WRONG" if r["wrong_sign"] else ""})
     o, last, rnd = ev["oracle_window"], ev["last"], ev["random"]
-    lines = ["== Selection vs labels (docs/METHODS.md §A3) ==", render_table(rows).rstrip(),
+    title = "== Selection vs labels (docs/METHODS.md §A3) ==" if quality != "miou" else \
+        "== Selection vs labels: mean IoU (docs/METHODS.md §A3, §A4) =="
+    lines = [title, render_table(rows).rstrip(),
              f"oracle in window: #{o['index']} {_pct(o['accuracy']):.2f} %; best overall: "
              f"#{ev['oracle_overall']['index']} {_pct(ev['oracle_overall']['accuracy']):.2f} %",
              f"baselines: last checkpoint gap {last['gap_window_pp']:.2f} pp; random checkpoint "
              f"expected gap {rnd['gap_window_pp']:.2f} pp"]
     wrong = [n for n, r in ev["readouts"].items() if r["wrong_sign"]]
     if wrong:
-        lines.append("WARNING: on this run the correlation with accuracy has the WRONG SIGN for: "
+        lines.append("WARNING: on this run the correlation with "
+                     f"{'mean IoU' if quality == 'miou' else 'accuracy'} has the WRONG SIGN for: "
                      + ", ".join(wrong) + " — do not select with these here.")
     return "\n".join(lines)
 

@@ -2,7 +2,15 @@
 
 A folder with class sub-folders is labelled: the sorted sub-folder names are the
 classes 0..K-1 (an empty sub-folder still takes its index, so labels stay aligned
-with the model's classes).  A flat folder is unlabelled.  Preprocessing, in order:
+with the model's classes).  A flat folder is unlabelled.
+
+A folder holding exactly the two sub-folders ``images/`` and ``masks/`` is a
+segmentation folder (docs/METHODS.md §A4): every image ``images/NAME.ext`` has the mask
+``masks/NAME.png`` (same file stem, any image suffix), a single-channel image of the
+same size whose pixel values are class indices (Pillow modes L, P — the palette index,
+not its colour — I;16 or I), 255 marking ignored pixels.  The masks become the label
+maps (n, H, W), resized (nearest neighbour) and cropped exactly like their images, so
+they stay aligned with the model input.  Preprocessing, in order:
 convert to grayscale/RGB (from the model's channel count), resize the shorter side
 to ``size``, centre-crop to ``crop``, ``pixel * scale``, ``(x - mean) / std`` per
 channel, transpose to the layout.
@@ -59,14 +67,24 @@ class ImageOptions:
         return out
 
 
-def list_images(folder: Path) -> tuple[list[Path], np.ndarray | None, tuple[str, ...] | None]:
+MASK_FOLDERS = ("images", "masks")
+
+
+def list_images(folder: Path, options: ImageOptions | None = None
+                ) -> tuple[list[Path], np.ndarray | None, tuple[str, ...] | None]:
     """Image files of ``folder`` in a fixed order, with labels and class names.
 
     Returns ``(paths, labels (n,) int64 or None, class_names or None)``.  Sub-folders
-    (not hidden) are classes, searched recursively; otherwise the folder is flat.
-    Raises DataError if the folder mixes top-level images with class sub-folders.
+    (not hidden) are classes, searched recursively; otherwise the folder is flat.  A
+    segmentation folder (``images/`` + ``masks/``, module docstring) gives label maps
+    (n, H, W) instead, with the geometry of ``options`` (from :func:`resolve_options`;
+    None: masks as stored) and no class names.
+    Raises DataError if the folder mixes top-level images with class sub-folders, or a
+    mask is missing, of another size than its image, or not single-channel.
     """
     classes = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if tuple(classes) == MASK_FOLDERS:
+        return _segmentation_folder(folder, options)
     top = _image_files(folder, recursive=False)
     if not classes:
         return top, None, None
@@ -83,6 +101,52 @@ def list_images(folder: Path) -> tuple[list[Path], np.ndarray | None, tuple[str,
         paths += files
         labels += [label] * len(files)
     return paths, np.asarray(labels, dtype=np.int64), tuple(classes)
+
+
+def _segmentation_folder(folder: Path, options: ImageOptions | None):
+    """(image paths, label maps (n, H, W), None) of an ``images/`` + ``masks/`` folder."""
+    images = _image_files(folder / "images", recursive=False)
+    masks = {p.stem: p for p in _image_files(folder / "masks", recursive=False)}
+    missing = [p.name for p in images if p.stem not in masks]
+    if missing:
+        raise DataError(
+            f"Segmentation folder '{folder}': {len(missing)} images have no mask in masks/ "
+            f"(e.g. '{missing[0]}'); give every images/NAME.ext a masks/NAME.png.")
+    maps = [_load_mask(masks[p.stem], p, i, options) for i, p in enumerate(images)]
+    if not maps:
+        return images, None, None
+    if len({m.shape for m in maps}) > 1:
+        raise DataError(f"Masks in '{folder}/masks' differ in size ({maps[0].shape} and "
+                        f"{next(m.shape for m in maps if m.shape != maps[0].shape)}); pass a "
+                        "crop size.")
+    stacked = np.stack(maps)
+    return images, stacked.astype(np.uint8 if stacked.max() < 256 else np.int32), None
+
+
+def _load_mask(path: Path, image_path: Path, index: int, options: ImageOptions | None):
+    """One mask as (H, W) integers, after its image's resize and crop (nearest)."""
+    from PIL import Image
+
+    try:
+        with Image.open(image_path) as image:
+            size = image.size
+        with Image.open(path) as mask:
+            if mask.mode not in ("L", "P", "I;16", "I", "1"):
+                raise DataError(f"Mask '{path}' (sample {index}) has mode {mask.mode}; give a "
+                                "single-channel image of class indices (L, P, I;16 or I).")
+            if mask.size != size:
+                raise DataError(f"Mask '{path}' (sample {index}) is {mask.size[1]}x"
+                                f"{mask.size[0]}, its image {size[1]}x{size[0]}; give masks "
+                                "of their images' size.")
+            mask = mask.convert("L") if mask.mode == "1" else mask
+            if options is not None:
+                mask = _resize_crop(mask, options, path, index, Image.NEAREST)
+            return np.asarray(mask).astype(np.int64)
+    except DataError:
+        raise
+    except Exception as exc:  # Pillow raises many types for a bad file
+        raise DataError(f"Cannot read mask '{path}' (sample {index}): {type(exc).__name__}: "
+                        f"{exc}. Remove or replace the file.") from exc
 
 
 def _image_files(folder: Path, *, recursive: bool) -> list[Path]:
@@ -219,7 +283,7 @@ def _load_one(path: Path, index: int, options: ImageOptions) -> np.ndarray:
     return x
 
 
-def _resize_crop(image, options: ImageOptions, path: Path, index: int):
+def _resize_crop(image, options: ImageOptions, path: Path, index: int, resample=None):
     from PIL import Image
 
     width, height = image.size
@@ -230,7 +294,7 @@ def _resize_crop(image, options: ImageOptions, path: Path, index: int):
         ratio = max(options.crop[0] / height, options.crop[1] / width)  # cover the crop
     if ratio is not None:
         new = (max(1, round(width * ratio)), max(1, round(height * ratio)))
-        image = image.resize(new, Image.BILINEAR)
+        image = image.resize(new, Image.BILINEAR if resample is None else resample)
     if options.crop is None:
         return image
     crop_h, crop_w = options.crop

@@ -368,7 +368,7 @@ def _open_images(folder: Path, extra_labels, options, common) -> DataSource:
         )
     spec = inputs[0]
     resolved = resolve_options(spec.shape, spec.dtype, options, spec.name)
-    paths, own, class_names = list_images(folder)
+    paths, own, class_names = list_images(folder, resolved)
     if not paths:
         raise DataError(f"Image folder '{folder}' holds no images (looked for .png, .jpg, ...); "
                         "point to a folder of images or class sub-folders.")

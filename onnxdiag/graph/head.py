@@ -17,6 +17,14 @@ import onnx
 
 from ..errors import HeadNotFoundError
 from ._records import array_summary, frozen_array
+from .dense import (
+    DENSE,
+    class_axis,
+    dense_linear,
+    dense_linear_at,
+    position_rows,
+    static_relation,
+)
 from .index import GraphIndex, get_attr
 from .linear import Linear, linear_at, linear_of, linear_weight
 from .trace import Trace, trace_output
@@ -35,9 +43,11 @@ class Head:
         node_name, op_type: the linear node (Gemm, MatMul or 1×1 Conv).
         features: tensor holding Z's source.
         features_reduce: "flatten" (reshape to (n_samples, n_features)), "spatial_mean"
-            (mean over all axes after the 2nd: a 1×1 conv before pooling) or "token"
+            (mean over all axes after the 2nd: a 1×1 conv before pooling), "token"
             (features (n_samples, n_tokens, n_features); Z is the row of the token whose
-            head output is the logits row: a decoder-style classifier's picked token).
+            head output is the logits row: a decoder-style classifier's picked token) or
+            "positions" (a per-position head, §A4: every position is a row of Z and U;
+            :mod:`onnxdiag.graph.dense`).
         logits: tensor holding U (after the bias Add of MatMul+Add; after the pooling of a
             conv-before-pool head; after the token pick of a per-token head); flatten it
             to (n_samples, n_classes).
@@ -80,6 +90,11 @@ class Head:
         return int(self.weight.shape[1])
 
     @property
+    def dense(self) -> bool:
+        """Whether the head is applied at every position (rows = positions, §A4)."""
+        return self.features_reduce == DENSE
+
+    @property
     def output_kind(self) -> str:
         """"logits" | "probabilities" | "log_probabilities" | "sigmoid" | "labels"."""
         return OUTPUT_KINDS[self.relation]
@@ -119,7 +134,10 @@ def token_features(values: np.ndarray, logits: np.ndarray, weight: np.ndarray,
 
 def feature_matrix(values: np.ndarray, head: Head, logits: np.ndarray) -> np.ndarray:
     """Z (n_samples, n_features) from the ``head.features`` values, by ``features_reduce``
-    (``logits``: U (n_samples, n_classes), used by "token" to find the picked token)."""
+    (``logits``: U (n_samples, n_classes), used by "token" to find the picked token); for a
+    per-position head Z (n_samples·positions, n_features)."""
+    if head.features_reduce == DENSE:
+        return position_rows(values, class_axis(head.op_type))
     values = np.asarray(values, dtype=np.float64)
     n = values.shape[0]
     if head.features_reduce == "spatial_mean" and values.ndim > 2:
@@ -213,9 +231,28 @@ def _search_head(index: GraphIndex) -> Head:
         if isinstance(found, Head):
             return found
         reasons.append(found)
+    dense = next((h for h in (dense_from_trace(index, t) for t in scores) if h), None)
+    if dense is not None:
+        return dense
     if not scores:
         reasons = [f"every output ({', '.join(index.outputs)}) is a label output"]
     raise HeadNotFoundError(f"No linear classifier head found: {'; '.join(reasons)}. {FIX}")
+
+
+def dense_from_trace(index: GraphIndex, trace: Trace) -> Head | None:
+    """The per-position head (§A4) that produces ``trace``'s output unchanged or through a
+    relation over its class axis, or None."""
+    for tensor in dict.fromkeys((trace.logits, trace.tensor, trace.output)):
+        lin = dense_linear_at(index, tensor)
+        if isinstance(lin, str):
+            continue
+        relation = static_relation(index, lin, trace.scores or trace.output)
+        if relation is not None:
+            found = Trace(trace.output, trace.scores, lin.logits, (), relation, lin.logits,
+                          False, False, trace.label)
+            return make_head(lin, found, f"found from output {trace.output!r}; per-position "
+                                         "head (rows = positions)")
+    return None
 
 
 def _describe_stop(index: GraphIndex, trace: Trace, reason: str) -> str:
@@ -246,7 +283,10 @@ def _named_head(index: GraphIndex, head: str, features: str | None) -> Head:
         raise HeadNotFoundError(
             f"Node {head!r} ({node.op_type}) cannot be the head: {wb} ({candidates_hint(index)}).")
     lin = linear_of(index, node)
+    dense = dense_linear(index, node)
     if isinstance(lin, str):
+        if isinstance(dense, Linear):
+            return _named_dense(index, dense)
         if features is None:
             raise HeadNotFoundError(f"Node {head!r} cannot be the head: {lin}; name the "
                                     "features tensor with --features TENSOR.")
@@ -254,10 +294,23 @@ def _named_head(index: GraphIndex, head: str, features: str | None) -> Head:
     trace = next((t for t in map(lambda o: trace_output(index, o), index.outputs)
                   if t.tensor == lin.logits and not t.label), None)
     if lin.reduce == "token" and (trace is None or not trace.picked):
+        if isinstance(dense, Linear):  # every token is used: rows = tokens (§A4)
+            return _named_dense(index, dense)
         raise HeadNotFoundError(
             f"Node {head!r} is applied to every token of {lin.features!r} and no output picks "
             "one token from it; name the features tensor with --features TENSOR.")
     return make_head(lin, trace, "named with --head")
+
+
+def _named_dense(index: GraphIndex, lin: Linear) -> Head:
+    """A named per-position head, with the output it reaches (and its relation) if known."""
+    for out in index.outputs:
+        relation = static_relation(index, lin, out)
+        if relation is not None:
+            trace = Trace(out, out, lin.logits, (), relation, lin.logits, False, False,
+                          index.is_float(out) is False)
+            return make_head(lin, trace, "named with --head; per-position head")
+    return make_head(lin, None, "named with --head; per-position head")
 
 
 def with_features(index: GraphIndex, head: Head, features: str) -> Head:
@@ -267,6 +320,8 @@ def with_features(index: GraphIndex, head: Head, features: str) -> Head:
             f"Features tensor {features!r} is not in the model; name a node output "
             f"(the head {head.node_name!r} reads {head.features!r}).")
     shape = index.shape(features)
+    if head.dense:
+        return _dense_features(head, features, shape)
     token = head.features_reduce == "token" and shape is not None and len(shape) == 3
     spatial = not token and shape is not None and len(shape) > 2 \
         and any(d != 1 for d in shape[2:])
@@ -280,3 +335,14 @@ def with_features(index: GraphIndex, head: Head, features: str) -> Head:
                 f"{head.node_name!r} expects {head.n_features}; name the head's input instead.")
     note = f"{head.note}; features named with --features".lstrip("; ")
     return replace(head, features=features, features_reduce=reduce, note=note)
+
+
+def _dense_features(head: Head, features: str, shape) -> Head:
+    """A per-position ``head`` reading Z from ``features`` (n_samples, …, D per position)."""
+    width = None if shape is None else shape[class_axis(head.op_type)]
+    if isinstance(width, int) and width != head.n_features:
+        raise HeadNotFoundError(
+            f"Features tensor {features!r} has {width} features per position but head "
+            f"{head.node_name!r} expects {head.n_features}; name the head's input instead.")
+    note = f"{head.note}; features named with --features".lstrip("; ")
+    return replace(head, features=features, note=note)

@@ -25,6 +25,7 @@ import numpy as np
 import onnx
 
 from ..errors import HeadNotFoundError
+from .dense import check_dense, dense_linear
 from .head import (
     Head,
     candidates_hint,
@@ -93,6 +94,10 @@ def head_candidates(index: GraphIndex, *, head: str | None = None,
         nodes, tensors = walk_back(index, trace.scores or trace.output)
         for node in nodes:
             lin = linear_of(index, node)
+            dense = dense_linear(index, node)
+            if isinstance(dense, Linear) and (isinstance(lin, str) or (
+                    lin.reduce == "token" and not trace.picked)):
+                lin = dense  # applied at every position, nothing pooled or picked (§A4)
             if isinstance(lin, str):
                 reasons.append(static if isinstance(static, str) else
                                f"node {node.name!r} ({node.op_type}): {lin}")
@@ -128,7 +133,7 @@ def _loose_candidate(index, lin: Linear, trace: Trace, tensors, features) -> Can
                   lin.reduce == "token", False, trace.label)
     note = f"verified from output {trace.output!r} through any ops"
     head = make_head(lin, loose, note)
-    if lin.reduce != "token":
+    if lin.reduce != "token":  # also a per-position head: its logits are its own output
         return _candidate(index, head, features, (lin.logits,))
     options = [t for t in tensors if t in index.producer and t != lin.logits
                and index.is_float(t) is not False]
@@ -223,6 +228,8 @@ def _rounding(index: GraphIndex, nodes) -> object | None:
 def check_candidate(candidate: Candidate, values: dict, index: GraphIndex) -> Head | str:
     """The verified Head of ``candidate`` on the batch ``values``, or the measured mismatch."""
     head = candidate.head
+    if head.dense:
+        return check_dense(head, values, index)
     fit = _linear_fit(head, values, candidate.logits_options)
     if isinstance(fit, str):
         return fit

@@ -22,6 +22,7 @@ from .plots import figure as _figure
 from .plots import finite as _finite
 from .plots import plot_channels, plot_readouts, plot_repairability, plot_selection
 from .plots import png as _png
+from .structure_plots import plot_depth, plot_orthogonality
 
 HTML_EXTRA_HINT = "pip install 'onnxdiag[report]' (matplotlib) to also get report.html"
 
@@ -140,7 +141,8 @@ def _plot_prune_sweep(report: dict) -> list:
 
 
 PLOTTERS: list[Callable[[dict], list]] = [plot_readouts, plot_selection, plot_channels,
-                                           plot_repairability, _plot_sweep, _plot_prune_sweep]
+                                           plot_depth, plot_orthogonality, plot_repairability,
+                                           _plot_sweep, _plot_prune_sweep]
 
 
 # --------------------------------------------------------------------------- page

@@ -118,7 +118,8 @@ class ScoredCheckpoint:
 @dataclass(frozen=True)
 class ScoringOptions:
     """How each checkpoint is scored: head choice, readout options, ONNX Runtime providers
-    and intra-op ``threads`` (None: ORT's default)."""
+    and intra-op ``threads`` (None: ORT's default); ``ignore_index``: the label-map value of
+    ignored positions (per-position heads, docs/METHODS.md §A4)."""
 
     head: str | None = None
     features: str | None = None
@@ -127,6 +128,7 @@ class ScoringOptions:
     include_bias: bool = False
     providers: Any = None
     threads: int | None = None
+    ignore_index: int = 255
 
 
 @dataclass(frozen=True)
@@ -190,7 +192,7 @@ def score_checkpoint(checkpoint: Checkpoint, probe, evaluation,
                          eval_source=None if evaluation is None else receive(evaluation, specs),
                          targets=options.targets, norm=options.norm,
                          include_bias=options.include_bias, providers=options.providers,
-                         threads=options.threads)
+                         threads=options.threads, ignore_index=options.ignore_index)
     return ScoredCheckpoint(checkpoint, result.to_dict(), None, structure.n_params,
                             architecture_signature(structure), structure.n_stored)
 
