@@ -179,3 +179,17 @@ def test_html_loads_in_headless_chromium(reports, verb, tmp_path):
                     f"--screenshot={shot}", page.as_uri()], capture_output=True, timeout=120,
                    check=True)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_published_schema_has_no_duplicate_keys():
+    """json.load keeps the last of two equal keys silently; the schema must not rely on it."""
+    import json
+    from importlib import resources
+
+    def no_duplicates(pairs):
+        keys = [k for k, _ in pairs]
+        assert len(keys) == len(set(keys)), sorted(k for k in keys if keys.count(k) > 1)
+        return dict(pairs)
+
+    text = resources.files("onnxdiag").joinpath("schema/report.schema.json").read_text()
+    json.loads(text, object_pairs_hook=no_duplicates)
