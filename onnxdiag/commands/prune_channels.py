@@ -84,11 +84,10 @@ def prune_channels_report(model, *, output, data=None, eval_data=None, train_dat
     ``accuracy`` (on ``eval_data``: source, emitted, before recovery), the plan,
     ``optimization`` (``options.fold_bn``: the Conv+BN pairs folded, the nodes removed,
     the check against the unfolded model) and ``nothing_removed`` (why, when no channel
-    could be removed). ``data``: calibration
-    data (scores from channel statistics, ``recovery.recalibrate_bn``); ``eval_data``:
-    labelled evaluation data; ``train_data``: for ``recovery.finetune``. Data arguments
-    are DataRequests or plain paths / arrays. Never overwrites an input; an existing
-    output is replaced only with ``report.overwrite``.
+    could be removed). ``data``: calibration data (scores from channel statistics,
+    ``recovery.recalibrate_bn``); ``eval_data``: labelled evaluation data; ``train_data``:
+    for ``recovery.finetune``. Data arguments are DataRequests or plain paths / arrays.
+    Never overwrites an input; an existing output is replaced only with ``report.overwrite``.
     """
     data, eval_data, train_data = map(DataRequest.of, (data, eval_data, train_data))
     protect = _inputs(model, options, (data, eval_data, train_data))
