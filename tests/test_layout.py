@@ -111,3 +111,23 @@ def test_module_and_function_sizes():
                 if n > MAX_FUNCTION_LINES:
                     too_long.append(f"{rel}:{node.lineno} {node.name}() of {n} lines")
     assert not too_long, "over the size rules:\n" + "\n".join(too_long)
+
+
+def test_architecture_module_list_matches_the_tree():
+    """docs/ARCHITECTURE.md's "Modules" block names every module of the package, and only those."""
+    import re
+
+    text = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text()
+    block = text[text.index("```\nonnxdiag/") + 4:]
+    block = block[:block.index("\n```")]
+    listed, package = set(), ""
+    for line in block.splitlines()[1:]:
+        if re.fullmatch(r"  [a-z_]+/", line):
+            package = line.strip()
+            continue
+        m = re.match(r"( +)(\S+\.py)\b", line)
+        if m:
+            listed.add((package if len(m.group(1)) == 4 else "") + m.group(2))
+    actual = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")}
+    assert not actual - listed, f"modules missing from docs/ARCHITECTURE.md: {sorted(actual - listed)}"
+    assert not listed - actual, f"listed but not in the tree: {sorted(listed - actual)}"
