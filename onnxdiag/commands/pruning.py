@@ -25,6 +25,7 @@ TABLE_SPARSITIES = (0.5, 0.8, 0.9, 0.95, 0.99)
 
 #: Echoed into every report ("our default" choices of docs/METHODS.md are parameters).
 DEFAULTS = dict(rr_images=64, rr_positions=16, rr_eps=1e-12, alpha_cap=100.0, rr_prior="erk",
+                ls_ridge=0.01, ls_prior="weights", ls_exact_max=1e9,
                 rr_gamma=1.0, rr_cap=0.99, recalibrate="affected", band_hi=0.9, band_lo=0.5,
                 band_repair="cr+bn", cts_baseline="bn")
 
@@ -48,7 +49,8 @@ class PrunerOptions:
     ``rr_prior`` / ``rr_gamma`` / ``rr_cap``: the ``rr`` rule's prior, exponent and
     per-layer cap; ``force_projection``: ERK sets 1×1 shortcut convs to s = S.
     ``alpha_cap``: CR's cap on α; ``recalibrate``: the BNs downstream of a pruned weight
-    ("affected") or "all".
+    ("affected") or "all". ``ls_ridge`` / ``ls_prior`` / ``ls_exact_max``: the ``ls``
+    repairs' ridge factor, ridge target and exact-solve limit (docs/METHODS.md §E1).
     """
 
     keep_dense: tuple[str, ...] = ()
@@ -60,6 +62,9 @@ class PrunerOptions:
     force_projection: bool = False
     alpha_cap: float = 100.0
     recalibrate: str = "affected"
+    ls_ridge: float = 0.01
+    ls_prior: str = "weights"
+    ls_exact_max: float = 1e9
 
     @classmethod
     def take(cls, kwargs: dict) -> PrunerOptions:
@@ -83,6 +88,14 @@ class PrunerOptions:
         if self.recalibrate not in RECALIBRATE:
             raise OnnxDiagError(f"Unknown recalibrate {self.recalibrate!r}; choose one of "
                                 f"{', '.join(RECALIBRATE)}.")
+        self.ls_settings().check()
+
+    def ls_settings(self):
+        """The :class:`~onnxdiag.sparsity.ls_repair.LSSettings` of these options."""
+        from ..sparsity.ls_repair import LSSettings
+
+        return LSSettings(ridge=self.ls_ridge, prior=self.ls_prior,
+                          exact_max=self.ls_exact_max)
 
     def params(self) -> dict:
         """The record as report parameters (``rr_positions`` as an int or "all")."""
@@ -157,7 +170,8 @@ def make_pruner(inputs: Inputs, options: PrunerOptions, curves=None, providers=N
                 force_projection=options.force_projection)
     return Pruner(inputs.model, inputs.structure, inputs.feeds, keep_dense=options.keep_dense,
                   rr_curves=curves, options=rule, alpha_cap=options.alpha_cap,
-                  recalibrate=options.recalibrate, providers=providers)
+                  recalibrate=options.recalibrate, providers=providers,
+                  ls=options.ls_settings())
 
 
 def open_fan_out(runtime):

@@ -162,8 +162,13 @@ def _repair_ls(model, editor, structure, masks, batches, method, alpha_cap, reca
         editor, model, batches, layers, masks, bns, affected, settings, providers, threads)
     passes = {"dense": int(bool(layers)), "sequential": int(bool(layers or bns)),
               "segments": segments}
+    approx = [k for k, v in done_layers.items() if "sparsegpt" in v.solver]
+    notes = () if not approx else (
+        f"LS: {len(approx)} layer(s) ({', '.join(approx[:3])}{', ...' if len(approx) > 3 else ''}"
+        f") used the SparseGPT one-sweep approximation (exact row solves would exceed "
+        f"ls_exact_max = {settings.exact_max:g}, docs/METHODS.md §E1)",)
     return editor.finish(), RepairRecord(method, alpha_cap, recalibrate, n, done_layers,
-                                         done_bns, passes, (), settings.to_dict())
+                                         done_bns, passes, notes, settings.to_dict())
 
 
 @dataclass(frozen=True)
