@@ -104,8 +104,9 @@ def sparsegpt_rows(w: np.ndarray, mask: np.ndarray, h_pp: np.ndarray, h_pd: np.n
     with A = H_pp + λI and w̃ = A⁻¹(H_pd w + λ w_S) the unconstrained optimum. Starting from
     w̃, columns are eliminated left to right: a pruned entry's error e = w_ij / U_jj moves
     onto the later columns of its row (w_i,j: −= e·U_j,j:), U the upper Cholesky factor of
-    A⁻¹. Exact when nothing is pruned (w' = w̃); earlier kept columns never readjust, which
-    is the approximation. Cost O(rows·K²) for any mask.
+    A⁻¹. Exact when nothing is pruned (w' = w̃) and for a row whose pruned entries all come
+    before its kept ones; otherwise earlier kept columns never readjust, which is the
+    approximation (measured in docs/METHODS.md §E1). Cost O(rows·K²) for any mask.
     """
     w = np.asarray(w, np.float64)
     k = w.shape[1]
