@@ -220,7 +220,8 @@ def test_ls_improves_agreement_on_an_skl2onnx_mlp_and_the_sample_vit(tmp_path):
     cases = [(path, [{"X": x[:32]}, {"X": x[32:]}], 0.8)]
     sample = get_sample()
     imgs = np.load(sample.calibration)["input"][:96]
-    cases.append((sample.folder.parent / "vit" / "model.onnx", [{"input": imgs[i:i + 48]} for i in (0, 48)], 0.7))
+    vit = sample.folder.parent / "vit" / "model.onnx"
+    cases.append((vit, [{"input": imgs[i:i + 48]} for i in (0, 48)], 0.7))
     for model_path, calib, S in cases:
         model = load_model(model_path)
         pruner = Pruner(model, analyze_structure(model), calib)

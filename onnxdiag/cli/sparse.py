@@ -85,6 +85,10 @@ def ls_options(f):
                      show_default=True,
                      help="Per layer, exact row solves up to this sum of |S_i|^3; above it "
                           "the SparseGPT one-sweep approximation."),
+        click.option("--ls-positions", default="all", show_default=True, metavar="N|all",
+                     callback=_positions_option,
+                     help="Conv output positions per image (linear-layer tokens per input), "
+                          "seeded by --seed, entering the LS moments; 'all' = exact."),
     ]):
         f = opt(f)
     return f

@@ -24,7 +24,7 @@ from ..graph import GraphIndex
 from ..model.edit import ModelEditor
 from .fold import bias_state
 from .lsq import EXACT_MAX, PRIORS, RIDGE, CrossMoments, output_errors, reconstruct_rows
-from .offline import layer_columns, layer_op
+from .offline import layer_op, sampled_columns
 from .recal import recalibrate_bn
 from .segments import SegmentedPass
 
@@ -34,12 +34,16 @@ class LSSettings:
     """``ridge`` (λ = ridge · mean diag H_pp), ``prior`` ("weights": ridge toward the kept
     weights, identity when nothing is pruned; "zero"), ``exact_max`` (Σ|S_i|³ above which
     the SparseGPT sweep replaces the exact solves), ``solver`` ("auto", "exact",
-    "sparsegpt")."""
+    "sparsegpt"), ``positions``: conv output positions per image (linear layers: tokens
+    per input) whose columns enter the moments, drawn with ``seed`` (the same for x_p and
+    x_d); None: every position (exact, **our default**)."""
 
     ridge: float = RIDGE
     prior: str = "weights"
     exact_max: float = EXACT_MAX
     solver: str = "auto"
+    positions: int | None = None
+    seed: int = 0
 
     def check(self) -> None:
         if self.prior not in PRIORS:
@@ -48,10 +52,15 @@ class LSSettings:
             raise OnnxDiagError(f"LS ridge must be positive, got {self.ridge!r}.")
         if self.solver not in ("auto", "exact", "sparsegpt"):
             raise OnnxDiagError("LS solver must be one of auto, exact, sparsegpt.")
+        if self.positions is not None and not (isinstance(self.positions, int)
+                                               and self.positions >= 1):
+            raise OnnxDiagError(f"LS positions must be a positive integer or all, got "
+                                f"{self.positions!r}.")
 
     def to_dict(self) -> dict:
         return {"ridge": self.ridge, "prior": self.prior, "exact_max": self.exact_max,
-                "solver": self.solver}
+                "solver": self.solver, "positions": self.positions or "all",
+                "seed": self.seed}
 
 
 @dataclass(frozen=True, eq=False)
@@ -117,9 +126,15 @@ def refit_layer(editor: ModelEditor, layer, w: np.ndarray, mask: np.ndarray, xs_
     per = rows.shape[0] // g
     acc, yd_sq = CrossMoments(g, rows.shape[1]), np.zeros(rows.shape[0])
     wt = rows.astype(np.float32).reshape(g, per, -1)
+    start = 0
     for j, xp in enumerate(xs_p):
-        cols_p = layer_columns(op, xp, kernel)[0]
-        cols_d = cols_p if xs_d is None else layer_columns(op, xs_d[j], kernel)[0]
+        images = np.arange(start, start + len(xp))
+        start += len(xp)
+
+        draw = dict(seed=settings.seed, sample_indices=images)
+        cols_p = sampled_columns(op, xp, kernel, settings.positions, **draw)
+        cols_d = cols_p if xs_d is None else sampled_columns(op, xs_d[j], kernel,
+                                                             settings.positions, **draw)
         acc.update(cols_p, cols_d)
         for k in range(g):
             y = cols_d[:, k, :] @ wt[k].T  # the dense output w_iᵀx_d, float32
