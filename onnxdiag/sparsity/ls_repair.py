@@ -22,6 +22,7 @@ import numpy as np
 from ..errors import OnnxDiagError
 from ..graph import GraphIndex
 from ..model.edit import ModelEditor
+from ..runtime.runner import single_threaded_blas
 from .fold import bias_state
 from .lsq import EXACT_MAX, PRIORS, RIDGE, CrossMoments, output_errors, reconstruct_rows
 from .offline import layer_op, sampled_columns
@@ -90,7 +91,16 @@ def ls_sequential(editor: ModelEditor, dense_model, batches: list[dict], layers,
                   bns, affected: set, settings: LSSettings, providers=None,
                   threads: int | None = None) -> tuple[dict, dict, int]:
     """Refit ``layers`` (records as the edited model names them) and recalibrate ``bns``
-    in topological order; returns (LSRepair per layer, BNRepair per BN, sessions run)."""
+    in topological order; returns (LSRepair per layer, BNRepair per BN, sessions run).
+    BLAS stays on one thread: its per-batch products alternate with ONNX Runtime runs on
+    the same cores (measured 20x faster on a loaded 2-core machine, benchmarks/RESULTS.md)."""
+    with single_threaded_blas():
+        return _ls_pass(editor, dense_model, batches, layers, masks, bns, affected, settings,
+                        providers, threads)
+
+
+def _ls_pass(editor, dense_model, batches, layers, masks, bns, affected, settings, providers,
+             threads) -> tuple[dict, dict, int]:
     seg_p = SegmentedPass(editor.model, batches, providers=providers, threads=threads)
     seg_d = SegmentedPass(dense_model, batches, providers=providers, threads=threads)
     dense_index = GraphIndex(dense_model)
