@@ -129,7 +129,8 @@ def refit_layer(editor: ModelEditor, layer, w: np.ndarray, mask: np.ndarray, xs_
                 settings: LSSettings) -> LSRepair:
     """Stream the layer's columns (``xs_d`` None: its input is the dense one), solve its
     rows per group, write weight and bias into ``editor``; returns the record."""
-    op = layer_op(editor.index, layer)
+    index = editor.index  # rebuilt after each edit: read it once per layer
+    op = layer_op(index, layer)
     rows, rmask, alpha = weight_rows(layer, op, w), weight_rows(layer, op, mask), op.alpha
     kernel = tuple(w.shape[2:]) if layer.op_type == "Conv" else ()
     g = op.groups if op.kind == "conv" else 1
@@ -150,8 +151,7 @@ def refit_layer(editor: ModelEditor, layer, w: np.ndarray, mask: np.ndarray, xs_
             y = cols_d[:, k, :] @ wt[k].T  # the dense output w_iᵀx_d, float32
             yd_sq[k * per:(k + 1) * per] += np.einsum("ij,ij->j", y, y, dtype=np.float64)
     yd_sq /= max(acc.n, 1)
-    holder, slot, b, beta, _ = bias_state(editor, editor.index, layer,
-                                          editor.node(layer.node_name))
+    holder, slot, b, beta, _ = bias_state(editor, index, layer, index.get_node(layer.node_name))
     bias = np.zeros(rows.shape[0]) if b is None else np.broadcast_to(
         beta * np.asarray(b, np.float64).reshape(-1), (rows.shape[0],)).copy()
     new_w, new_b = np.zeros_like(rows), np.zeros_like(bias)
