@@ -163,10 +163,13 @@ def _repair_ls(model, editor, structure, masks, batches, method, alpha_cap, reca
     passes = {"dense": int(bool(layers)), "sequential": int(bool(layers or bns)),
               "segments": segments}
     approx = [k for k, v in done_layers.items() if "sparsegpt" in v.solver]
-    notes = () if not approx else (
+    no_bn = with_bn and not any(n.op_type == "BatchNormalization" for n in index.nodes)
+    linear = linear_bn_note(method, layers, has_layer_norm(index))
+    notes = (("ls+bn: the model has no BatchNormalization, so ls+bn equals ls",) if no_bn
+             else ()) + (() if linear is None else (linear,)) + (() if not approx else (
         f"LS: {len(approx)} layer(s) ({', '.join(approx[:3])}{', ...' if len(approx) > 3 else ''}"
         f") used the SparseGPT one-sweep approximation (exact row solves would exceed "
-        f"ls_exact_max = {settings.exact_max:g}, docs/METHODS.md §E1)",)
+        f"ls_exact_max = {settings.exact_max:g}, docs/METHODS.md §E1)",))
     return editor.finish(), RepairRecord(method, alpha_cap, recalibrate, n, done_layers,
                                          done_bns, passes, notes, settings.to_dict())
 
@@ -213,8 +216,9 @@ def linear_bn_note(method: str, layers, layer_norm: bool) -> str | None:
             and not la.is_head]
     if not (with_bn and layer_norm and idle):
         return None
-    then = ("only its CR part acts on them" if cr_kind else
-            "they stay unrepaired; --repair cr is the label-free repair there")
+    part = "LS" if cr_kind == "ls" else "CR"
+    then = (f"only its {part} part acts on them" if cr_kind else
+            "they stay unrepaired; --repair cr or ls is the label-free repair there")
     return (f"repair {method!r}: BN recalibration has nothing to act on in {len(idle)} "
             "linear layer(s): no BatchNormalization follows them and LayerNorm has no "
             f"statistics to recalibrate (docs/METHODS.md §D); {then}")
