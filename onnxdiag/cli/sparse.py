@@ -23,7 +23,7 @@ from .options import (
 # that `onnxdiag --help` imports neither numpy nor onnx.
 RULE_CHOICES = ("global", "uniform", "erk", "lamp", "rr", "rr-greedy", "rr-marginal")
 REPAIR_CHOICES = ("none", "bn", "cr", "cr+bn", "layer-cr", "layer-cr+bn", "shrunk-cr",
-                  "shrunk-cr+bn")
+                  "shrunk-cr+bn", "ls", "ls+bn")
 FAN_OUT_UNITS = "RR layer / sweep cell"
 
 
@@ -66,6 +66,29 @@ def rr_options(f):
         click.option("--recalibrate", type=click.Choice(["affected", "all"]),
                      default="affected", show_default=True,
                      help="Recalibrate the BNs downstream of a pruned weight, or all BNs."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def ls_options(f):
+    """Options of the reconstruction repairs ls / ls+bn (docs/METHODS.md §E1)."""
+    for opt in reversed([
+        click.option("--ls-ridge", type=click.FloatRange(min=0, min_open=True), default=0.01,
+                     show_default=True,
+                     help="LS ridge: lambda = this x mean diag of the input Gram."),
+        click.option("--ls-prior", type=click.Choice(["weights", "zero"]), default="weights",
+                     show_default=True,
+                     help="What the LS ridge pulls toward: the kept weights (identity when "
+                          "nothing is pruned) or zero."),
+        click.option("--ls-exact-max", type=click.FloatRange(min=0), default=1e9,
+                     show_default=True,
+                     help="Per layer, exact row solves up to this sum of |S_i|^3; above it "
+                          "the SparseGPT one-sweep approximation."),
+        click.option("--ls-positions", default="all", show_default=True, metavar="N|all",
+                     callback=_positions_option,
+                     help="Conv output positions per image (linear-layer tokens per input), "
+                          "seeded by --seed, entering the LS moments; 'all' = exact."),
     ]):
         f = opt(f)
     return f
@@ -118,7 +141,9 @@ def rr(model, **kwargs):
 @click.option("--allocation", type=click.Choice(RULE_CHOICES), default="rr",
               show_default=True, help="How S is spread over the layers (docs/METHODS.md §C3).")
 @click.option("--repair", type=click.Choice(REPAIR_CHOICES), default="cr+bn",
-              show_default=True, help="Label-free repair (docs/METHODS.md §C1).")
+              show_default=True,
+              help="Label-free repair: CR / BN (docs/METHODS.md §C1) or the least-squares "
+                   "reconstruction ls / ls+bn (§E1).")
 @click.option("--sparse-initializers", is_flag=True,
               help="Store pruned weights as sparse_initializer where that is smaller.")
 @data_options(required=True)
@@ -127,6 +152,7 @@ def rr(model, **kwargs):
 @runtime_options()
 @head_options
 @rr_options
+@ls_options
 @output_options
 def prune(model, output, **kwargs):
     """Prune to a global sparsity, repair, and write the model (docs/METHODS.md §C5).
@@ -160,6 +186,7 @@ def prune(model, output, **kwargs):
 @runtime_options(fan_out=True, units=FAN_OUT_UNITS)
 @head_options
 @rr_options
+@ls_options
 @output_options
 def sweep(model, **kwargs):
     """Accuracy table over sparsity x allocation x repair, with the transition bands.

@@ -121,7 +121,7 @@ def _prune(inputs: Inputs, options: PruneOptions, budget, runtime) -> tuple:
     if rule.startswith("rr") and budget.n_pruned:
         curves = compute_curves(inputs, opts, seed=options.seed, providers=runtime.providers,
                                 progress=runtime.progress)
-    pruner = make_pruner(inputs, opts, curves, runtime.providers)
+    pruner = make_pruner(inputs, opts, curves, runtime.providers, seed=options.seed)
     if not budget.n_pruned:  # nothing to remove: no allocation rule or repair runs
         alloc = pruner.allocate("uniform", 0.0)
         say(runtime.progress, f"Pruning nothing: {no_op_reason(budget)}; emitting the source "
@@ -240,9 +240,21 @@ def render_prune_sparse(info: dict) -> str:
     if info.get("no_op"):
         lines.append(f"NO-OP: {info['no_op']}; the emitted model is the source model "
                      "(nothing pruned, no repair ran)")
-    lines += _budget_lines(info) + _measure_lines(info)
+    lines += _budget_lines(info) + _ls_lines(info.get("repair")) + _measure_lines(info)
     return "\n".join(lines + [f"note: {n}" for n in info["notes"] if not n.startswith("no-op")]
                      ) + "\n"
+
+
+def _ls_lines(repair: dict | None) -> list[str]:
+    """Per refitted layer of an ls repair: the relative output error on the calibration
+    data before (masked weights) and after the refit (docs/METHODS.md §E1)."""
+    if not repair or not repair.get("ls"):
+        return []
+    rows = [{"layer": k, "solver": v["solver"], "err_before": v["error_before"],
+             "err_after": v["error_after"]} for k, v in repair["layers"].items()]
+    title = ("LS reconstruction: relative output error |Y - Y_dense| / |Y_dense| per layer "
+             "(calibration data, upstream already repaired)")
+    return [render_table(rows, title=title).rstrip()]
 
 
 def _budget_lines(info: dict) -> list[str]:

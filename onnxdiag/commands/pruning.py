@@ -25,6 +25,7 @@ TABLE_SPARSITIES = (0.5, 0.8, 0.9, 0.95, 0.99)
 
 #: Echoed into every report ("our default" choices of docs/METHODS.md are parameters).
 DEFAULTS = dict(rr_images=64, rr_positions=16, rr_eps=1e-12, alpha_cap=100.0, rr_prior="erk",
+                ls_ridge=0.01, ls_prior="weights", ls_exact_max=1e9, ls_positions="all",
                 rr_gamma=1.0, rr_cap=0.99, recalibrate="affected", band_hi=0.9, band_lo=0.5,
                 band_repair="cr+bn", cts_baseline="bn")
 
@@ -48,7 +49,9 @@ class PrunerOptions:
     ``rr_prior`` / ``rr_gamma`` / ``rr_cap``: the ``rr`` rule's prior, exponent and
     per-layer cap; ``force_projection``: ERK sets 1×1 shortcut convs to s = S.
     ``alpha_cap``: CR's cap on α; ``recalibrate``: the BNs downstream of a pruned weight
-    ("affected") or "all".
+    ("affected") or "all". ``ls_ridge`` / ``ls_prior`` / ``ls_exact_max`` /
+    ``ls_positions``: the ``ls`` repairs' ridge factor, ridge target, exact-solve limit and
+    positions per image (None: all) (docs/METHODS.md §E1).
     """
 
     keep_dense: tuple[str, ...] = ()
@@ -60,6 +63,10 @@ class PrunerOptions:
     force_projection: bool = False
     alpha_cap: float = 100.0
     recalibrate: str = "affected"
+    ls_ridge: float = 0.01
+    ls_prior: str = "weights"
+    ls_exact_max: float = 1e9
+    ls_positions: int | None = None
 
     @classmethod
     def take(cls, kwargs: dict) -> PrunerOptions:
@@ -83,11 +90,20 @@ class PrunerOptions:
         if self.recalibrate not in RECALIBRATE:
             raise OnnxDiagError(f"Unknown recalibrate {self.recalibrate!r}; choose one of "
                                 f"{', '.join(RECALIBRATE)}.")
+        self.ls_settings().check()
+
+    def ls_settings(self):
+        """The :class:`~onnxdiag.sparsity.ls_repair.LSSettings` of these options."""
+        from ..sparsity.ls_repair import LSSettings
+
+        return LSSettings(ridge=self.ls_ridge, prior=self.ls_prior,
+                          exact_max=self.ls_exact_max, positions=self.ls_positions)
 
     def params(self) -> dict:
         """The record as report parameters (``rr_positions`` as an int or "all")."""
         return {**dataclasses.asdict(self), "keep_dense": list(self.keep_dense),
-                "rr_positions": parse_positions_arg(self.rr_positions)}
+                "rr_positions": parse_positions_arg(self.rr_positions),
+                "ls_positions": parse_positions_arg(self.ls_positions)}
 
 
 @dataclass
@@ -148,16 +164,18 @@ def compute_curves(inputs: Inputs, options: PrunerOptions, *, seed=0, grid=None,
                              providers=providers, executor=executor)
 
 
-def make_pruner(inputs: Inputs, options: PrunerOptions, curves=None, providers=None):
+def make_pruner(inputs: Inputs, options: PrunerOptions, curves=None, providers=None, *,
+                seed: int = 0):
     """The :class:`~onnxdiag.sparsity.sweep.Pruner` of the dense model (rr rules need
-    ``curves``)."""
+    ``curves``; ``seed``: the LS position draw)."""
     from ..sparsity.sweep import Pruner
 
     rule = dict(prior=options.rr_prior, gamma=options.rr_gamma, cap=options.rr_cap,
                 force_projection=options.force_projection)
     return Pruner(inputs.model, inputs.structure, inputs.feeds, keep_dense=options.keep_dense,
                   rr_curves=curves, options=rule, alpha_cap=options.alpha_cap,
-                  recalibrate=options.recalibrate, providers=providers)
+                  recalibrate=options.recalibrate, providers=providers,
+                  ls=dataclasses.replace(options.ls_settings(), seed=seed))
 
 
 def open_fan_out(runtime):

@@ -204,7 +204,7 @@ def scale_output_channels(layer, w: np.ndarray, alpha: np.ndarray) -> np.ndarray
     return w64 * (alpha[:, None] if layer.weight_layout == "oi" else alpha[None, :])
 
 
-def _bias_state(editor, index, layer, node):
+def bias_state(editor, index, layer, node):
     """(holder node, input slot or None, bias value or None, beta, in-node flag); beta is
     Gemm's scale of its C input, also of a C the repair adds."""
     beta = float(get_attr(node, "beta", 1.0)) if node.op_type == "Gemm" else 1.0
@@ -220,7 +220,7 @@ def _bias_state(editor, index, layer, node):
 def _fold_bias(editor, index, layer, node, alpha, dense, pruned, affine) -> tuple:
     """Write α·b + shift into the bias; returns (shift (C,), whether it lies inside the
     node's own output) — for a bias Add the shift reaches the Add's output instead."""
-    holder, slot, b, beta, in_node = _bias_state(editor, index, layer, node)
+    holder, slot, b, beta, in_node = bias_state(editor, index, layer, node)
     if beta == 0.0:  # Gemm ignores C: the repaired bias is written with beta = 1
         editor.set_attribute(node.name, "beta", 1.0)
         b, beta = None, 1.0

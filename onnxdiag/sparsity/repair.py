@@ -2,7 +2,9 @@
 
 Methods (``METHODS``): ``none``; ``bn`` (BN recalibration); ``cr`` / ``layer-cr`` /
 ``shrunk-cr`` (channel-wise, one-scalar-per-layer and shrunk variance matching) and
-each of them ``+bn``.  Per repaired layer ℓ — a Conv, or a Gemm / MatMul (METHODS §D:
+each of them ``+bn``; ``ls`` / ``ls+bn`` (the least-squares reconstruction of
+METHODS §E1, :mod:`.ls_repair`, then BN recalibration).  Per repaired layer ℓ — a
+Conv, or a Gemm / MatMul (METHODS §D:
 channels = output features, positions = every leading axis) — with pre-BN output y and
 σ / μ over samples × positions (unbiased):
 
@@ -37,7 +39,6 @@ import onnx
 
 from ..errors import DataError, OnnxDiagError
 from ..graph import GraphIndex
-from ..graph._records import jsonable
 from ..model.edit import ModelEditor
 from ..stats import Moments
 from .fold import (  # noqa: F401 - LayerRepair, cr_alpha, channel_rows re-exported
@@ -51,27 +52,14 @@ from .fold import (  # noqa: F401 - LayerRepair, cr_alpha, channel_rows re-expor
     has_layer_norm,
     uses_affine,
 )
+from .ls_repair import LSSettings, ls_sequential
 from .masks import PRUNABLE_OPS, write_masks
+from .recal import BNRepair, affected_tensors, bn_channels, recalibrate_bn  # noqa: F401
 from .segments import SegmentedPass
 
-METHODS = ("none", "bn", "cr", "cr+bn", "layer-cr", "layer-cr+bn", "shrunk-cr", "shrunk-cr+bn")
+METHODS = ("none", "bn", "cr", "cr+bn", "layer-cr", "layer-cr+bn", "shrunk-cr", "shrunk-cr+bn",
+           "ls", "ls+bn")
 RECALIBRATE = ("affected", "all")
-
-
-@dataclass(frozen=True, eq=False)
-class BNRepair:
-    """New running statistics of one BatchNormalization: (C,) mean and unbiased var."""
-
-    bn_node: str
-    mean: np.ndarray
-    var: np.ndarray
-    n_samples: int
-
-    def to_dict(self, *, arrays: bool = False) -> dict:
-        d = {"bn_node": self.bn_node, "n_samples": self.n_samples}
-        if arrays:
-            d.update(mean=jsonable(self.mean), var=jsonable(self.var))
-        return d
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,9 +78,10 @@ class RepairRecord:
     bns: dict[str, BNRepair]
     passes: dict
     notes: tuple[str, ...] = field(default_factory=tuple)
+    ls: dict | None = None  # the LS settings (METHODS §E1) of an ls repair
 
     def to_dict(self, *, arrays: bool = False) -> dict:
-        return {"method": self.method, "alpha_cap": self.alpha_cap,
+        return {"method": self.method, "alpha_cap": self.alpha_cap, "ls": self.ls,
                 "recalibrate": self.recalibrate, "n_images": self.n_images,
                 "layers": {k: v.to_dict(arrays=arrays) for k, v in self.layers.items()},
                 "bns": {k: v.to_dict(arrays=arrays) for k, v in self.bns.items()},
@@ -100,20 +89,20 @@ class RepairRecord:
 
 
 def parse_method(method: str) -> tuple[str | None, bool]:
-    """``(cr_kind, with_bn)``: cr_kind in {None, "channel", "layer", "shrunk"}."""
+    """``(cr_kind, with_bn)``: cr_kind in {None, "channel", "layer", "shrunk", "ls"}."""
     if method not in METHODS:
         raise OnnxDiagError(f"Unknown repair method {method!r}; choose one of "
                             f"{', '.join(METHODS)}.")
     with_bn = method == "bn" or method.endswith("+bn")
     base = method.removesuffix("+bn")
-    kind = {"cr": "channel", "layer-cr": "layer", "shrunk-cr": "shrunk"}.get(base)
+    kind = {"cr": "channel", "layer-cr": "layer", "shrunk-cr": "shrunk", "ls": "ls"}.get(base)
     return kind, with_bn
 
 
 def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *,
                  method: str = "cr+bn", alpha_cap: float = 100.0, n_images: int | None = None,
-                 recalibrate: str = "affected", providers=None, threads: int | None = None
-                 ) -> tuple[onnx.ModelProto, RepairRecord]:
+                 recalibrate: str = "affected", providers=None, threads: int | None = None,
+                 ls: LSSettings | None = None) -> tuple[onnx.ModelProto, RepairRecord]:
     """Prune ``model`` with ``masks`` and repair it on calibration data (METHODS §C1).
 
     Args:
@@ -122,6 +111,8 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
         calib_source: a DataSource or an iterable of feed dicts; the first ``n_images``
             samples (all when None) are held in memory for the sequential pass.
         method: one of ``METHODS``; alpha_cap: CR's cap on α (**our default** 100).
+        ls: the :class:`~onnxdiag.sparsity.ls_repair.LSSettings` of ``ls`` / ``ls+bn``
+            (default ``LSSettings()``).
 
     Returns the repaired copy (``model`` is never modified; masks and repairs are one
     edit, checked once by ``ModelEditor.finish``) and its :class:`RepairRecord`, whose
@@ -133,6 +124,9 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
     editor = ModelEditor(model)
     write_masks(editor, masks)
     batches = collect_batches(calib_source, n_images)
+    if cr_kind == "ls":
+        return _repair_ls(model, editor, structure, masks, batches, method, alpha_cap,
+                          recalibrate, ls or LSSettings(), providers, threads)
     plan = _plan(editor, structure, masks, method, recalibrate)
     n = sum(_batch_len(b) for b in batches)
     passes = {"dense": int(bool(plan.layers)), "sequential": int(bool(plan.layers or plan.bns)),
@@ -146,6 +140,38 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
         providers, threads)
     return editor.finish(), RepairRecord(method, alpha_cap, recalibrate, n, done_layers,
                                          done_bns, passes, plan.notes)
+
+
+def _repair_ls(model, editor, structure, masks, batches, method, alpha_cap, recalibrate,
+               settings, providers, threads) -> tuple[onnx.ModelProto, RepairRecord]:
+    """``ls`` / ``ls+bn``: every masked layer pruning reached is refitted (METHODS §E1; a
+    MatMul without a bias Add gets one for the bias correction), then with ``+bn`` the BNs
+    of :func:`_plan` are recalibrated, all in one sequential pass."""
+    settings.check()
+    index = editor.index
+    affected = affected_tensors(index, [n for n, m in masks.items() if not np.all(m)])
+    layers = [add_missing_bias(editor, la) for la in structure.layers
+              if la.node_name in masks and la.op_type in PRUNABLE_OPS
+              and (not np.all(masks[la.node_name]) or la.input in affected)]
+    _, with_bn = parse_method(method)
+    bns = [node for node in editor.index.nodes if with_bn
+           and node.op_type == "BatchNormalization"
+           and (recalibrate == "all" or node.input[0] in affected)]
+    n = sum(_batch_len(b) for b in batches)
+    done_layers, done_bns, segments = ls_sequential(
+        editor, model, batches, layers, masks, bns, affected, settings, providers, threads)
+    passes = {"dense": int(bool(layers)), "sequential": int(bool(layers or bns)),
+              "segments": segments}
+    approx = [k for k, v in done_layers.items() if "sparsegpt" in v.solver]
+    no_bn = with_bn and not any(n.op_type == "BatchNormalization" for n in index.nodes)
+    linear = linear_bn_note(method, layers, has_layer_norm(index))
+    notes = (("ls+bn: the model has no BatchNormalization, so ls+bn equals ls",) if no_bn
+             else ()) + (() if linear is None else (linear,)) + (() if not approx else (
+        f"LS: {len(approx)} layer(s) ({', '.join(approx[:3])}{', ...' if len(approx) > 3 else ''}"
+        f") used the SparseGPT one-sweep approximation (exact row solves would exceed "
+        f"ls_exact_max = {settings.exact_max:g}, docs/METHODS.md §E1)",))
+    return editor.finish(), RepairRecord(method, alpha_cap, recalibrate, n, done_layers,
+                                         done_bns, passes, notes, settings.to_dict())
 
 
 @dataclass(frozen=True)
@@ -167,7 +193,7 @@ def _plan(editor: ModelEditor, structure, masks, method, recalibrate) -> _Plan:
     ``recalibrate="all"``); MatMuls that need a shift get their bias Add here."""
     cr_kind, with_bn = parse_method(method)
     index = editor.index
-    affected = _affected(index, [n for n, m in masks.items() if not np.all(m)])
+    affected = affected_tensors(index, [n for n, m in masks.items() if not np.all(m)])
     pruned = [la for la in structure.layers if la.node_name in masks and not la.is_head
               and la.op_type in PRUNABLE_OPS and la.output in affected]
     layer_norm = has_layer_norm(index)
@@ -190,8 +216,9 @@ def linear_bn_note(method: str, layers, layer_norm: bool) -> str | None:
             and not la.is_head]
     if not (with_bn and layer_norm and idle):
         return None
-    then = ("only its CR part acts on them" if cr_kind else
-            "they stay unrepaired; --repair cr is the label-free repair there")
+    part = "LS" if cr_kind == "ls" else "CR"
+    then = (f"only its {part} part acts on them" if cr_kind else
+            "they stay unrepaired; --repair cr or ls is the label-free repair there")
     return (f"repair {method!r}: BN recalibration has nothing to act on in {len(idle)} "
             "linear layer(s): no BatchNormalization follows them and LayerNorm has no "
             f"statistics to recalibrate (docs/METHODS.md §D); {then}")
@@ -223,7 +250,7 @@ def _sequential(editor, batches, layers, dense, bns, cr_kind, affine, alpha_cap,
                 seg.frontier, editor, la, dense[la.node_name], cr_kind, affine[la.node_name],
                 alpha_cap)
         else:
-            done_bns[bns[i].name] = _recalibrate_bn(seg, editor, bns[i])
+            done_bns[bns[i].name] = recalibrate_bn(seg.frontier, editor, bns[i])
     return done_layers, done_bns, seg.n_segments
 
 
@@ -329,35 +356,3 @@ def collect_batches(source, n_images: int | None) -> list[dict]:
 
 def _batch_len(feeds: dict) -> int:
     return int(np.shape(next(iter(feeds.values())))[0])
-
-
-def _affected(index: GraphIndex, pruned_layers: list[str]) -> set[str]:
-    """Tensors downstream of (and including) the outputs of the pruned layers."""
-    todo = [t for name in pruned_layers for t in index.get_node(name).output]
-    seen = set(todo)
-    while todo:
-        for node, _ in index.consumers_of(todo.pop()):
-            for t in node.output:
-                if t and t not in seen:
-                    seen.add(t)
-                    todo.append(t)
-    return seen
-
-
-def _recalibrate_bn(seg: SegmentedPass, editor: ModelEditor, bn) -> BNRepair:
-    acc = Moments(bn_channels(seg.frontier[bn.input[0]]), full=False)
-    for x in seg.frontier[bn.input[0]]:
-        acc.update(channel_rows(x))
-    mean, var = acc.mean, acc.var()
-    for pos, value in ((3, mean), (4, var)):
-        old = editor.value(bn.input[pos])
-        if old is None:
-            raise OnnxDiagError(f"Tensor {bn.input[pos]!r} is not a constant; cannot "
-                                f"recalibrate BatchNormalization {bn.name!r}.")
-        editor.set_input(bn.name, pos, value.reshape(old.shape).astype(old.dtype))
-    return BNRepair(bn.name, mean, var, acc.n)
-
-
-def bn_channels(arrays) -> int:
-    """The channel count (axis 1) of a BatchNormalization's input batches."""
-    return int(np.shape(arrays[0])[1])

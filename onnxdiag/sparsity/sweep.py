@@ -141,7 +141,8 @@ class Pruner:
             the agreement with the dense model.
         keep_dense: layer names left dense; rr_curves: needed by the ``rr*`` rules.
         options: allocation settings (prior, gamma, cap, force_projection, step).
-        alpha_cap, recalibrate: repair settings (METHODS §C1).
+        alpha_cap, recalibrate: repair settings (METHODS §C1); ls: the
+            :class:`~onnxdiag.sparsity.ls_repair.LSSettings` of ``ls`` / ``ls+bn`` (§E1).
     """
 
     model: object
@@ -154,6 +155,7 @@ class Pruner:
     recalibrate: str = "affected"
     providers: object = None
     threads: int | None = None
+    ls: object = None  # LSSettings of the ls repairs (METHODS §E1); None: the defaults
 
     def __post_init__(self):
         self.keep_dense = tuple(self.keep_dense)
@@ -181,7 +183,7 @@ class Pruner:
         masks = make_masks(allocation, self.weights) if masks is None else masks
         return repair_model(self.model, self.structure, masks, self.calib, method=method,
                             alpha_cap=self.alpha_cap, recalibrate=self.recalibrate,
-                            providers=self.providers, threads=self.threads)
+                            providers=self.providers, threads=self.threads, ls=self.ls)
 
     def logits(self, model, runner=None) -> np.ndarray:
         """Head logits of ``model`` on the calibration set."""

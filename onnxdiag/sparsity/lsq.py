@@ -1,0 +1,170 @@
+"""Least-squares reconstruction of one pruned layer (docs/METHODS.md §E1), in NumPy.
+
+A layer computes y = W x + b, x a column of its input (a conv's im2col patch, C_in/g·k·k
+values per group; a linear layer's input row, every leading axis a position). On the
+calibration data the layer's input in the dense model is x_d and, with the upstream layers
+pruned and repaired, x_p. :class:`CrossMoments` streams, per group, the float64 sums of
+x_p, x_d, x_p x_pᵀ and x_p x_dᵀ (mergeable: the result does not depend on the batch split).
+
+Per output row i with kept support S_i (the mask), with H_pp = E[x_p x_pᵀ],
+H_pd = E[x_p x_dᵀ] and the ridge λ = ridge · mean diag(H_pp) (**our default** ridge 0.01):
+
+- ``prior="weights"`` (**our default**): w'_S = (H_pp[S,S] + λI)⁻¹ (H_pd[S,:] w_i + λ w_i,S),
+  the ridge pulling toward the layer's own kept weights, so that with nothing pruned
+  (x_p = x_d, S = everything) the repair is the identity;
+- ``prior="zero"``: w'_S = (H_pp[S,S] + λI)⁻¹ H_pd[S,:] w_i (ridge toward zero: it shrinks
+  every weight a little even when nothing was pruned);
+
+then b'_i = b_i + E[w_iᵀ x_d] − E[w'_iᵀ x_p]. Exact per-row solves cost Σ_i |S_i|³;
+above ``exact_max`` the layer uses the one-sweep column update of SparseGPT
+(:func:`sparsegpt_rows`), an approximation the layer's record names.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+RIDGE = 0.01
+PRIORS = ("weights", "zero")
+#: Σ_i |S_i|³ above which a layer's rows are solved by the SparseGPT sweep (**our default**).
+EXACT_MAX = 1e9
+
+
+class CrossMoments:
+    """Float64 sums of the pruned / dense input columns of one layer, per group.
+
+    ``update(cols_p, cols_d)`` with columns ``(m, groups, K)``; the products are BLAS
+    products in ``dtype`` (float32: the input's precision), summed into float64.
+    """
+
+    def __init__(self, groups: int, k: int, dtype=np.float32):
+        self.n = 0
+        self.dtype = dtype
+        self.sum_p = np.zeros((groups, k))
+        self.sum_d = np.zeros((groups, k))
+        self.pp = np.zeros((groups, k, k))
+        self.pd = np.zeros((groups, k, k))
+
+    def update(self, cols_p: np.ndarray, cols_d: np.ndarray) -> CrossMoments:
+        same = cols_d is cols_p  # an input no pruning reached: x_p = x_d
+        cp = np.asarray(cols_p, self.dtype)
+        cd = cp if same else np.asarray(cols_d, self.dtype)
+        for g in range(cp.shape[1]):
+            a, b = cp[:, g, :], cd[:, g, :]
+            aa = a.T @ a
+            self.pp[g] += aa
+            self.pd[g] += aa if same else a.T @ b
+            self.sum_p[g] += a.sum(axis=0, dtype=np.float64)
+            self.sum_d[g] += b.sum(axis=0, dtype=np.float64)
+        self.n += cp.shape[0]
+        return self
+
+    def merge(self, other: CrossMoments) -> CrossMoments:
+        for name in ("sum_p", "sum_d", "pp", "pd"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.n += other.n
+        return self
+
+    def moments(self, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(H_pp, H_pd, μ_p, μ_d) of group ``g`` (population moments)."""
+        n = max(self.n, 1)
+        return self.pp[g] / n, self.pd[g] / n, self.sum_p[g] / n, self.sum_d[g] / n
+
+
+def ridge_of(h_pp: np.ndarray, ridge: float = RIDGE) -> float:
+    """λ = ridge · mean diag(H_pp) (a tiny floor keeps an all-zero input solvable)."""
+    return float(ridge * np.mean(np.diag(h_pp))) + 1e-12
+
+
+def exact_work(mask: np.ndarray) -> float:
+    """Σ_i |S_i|³ of a (rows, K) mask: the cost of the exact per-row solves."""
+    return float(np.sum(np.sum(mask, axis=1, dtype=np.float64) ** 3))
+
+
+def solve_rows(w: np.ndarray, mask: np.ndarray, h_pp: np.ndarray, h_pd: np.ndarray,
+               lam: float, prior: str = "weights") -> np.ndarray:
+    """Exact per-row solves: ``w`` (rows, K) dense weights, ``mask`` (rows, K) kept;
+    returns w' (rows, K) float64, zero off the support."""
+    w = np.asarray(w, np.float64)
+    rhs = _rhs(w, mask, h_pd, lam, prior)  # (rows, K)
+    out = np.zeros_like(w)
+    for i in range(w.shape[0]):
+        s = np.flatnonzero(mask[i])
+        if s.size:
+            a = h_pp[np.ix_(s, s)] + lam * np.eye(s.size)
+            out[i, s] = np.linalg.solve(a, rhs[i, s])
+    return out
+
+
+def sparsegpt_rows(w: np.ndarray, mask: np.ndarray, h_pp: np.ndarray, h_pd: np.ndarray,
+                   lam: float, prior: str = "weights") -> np.ndarray:
+    """The one-sweep approximation (SparseGPT's OBS column sweep for a fixed mask).
+
+    The objective E[(w'ᵀx_p − wᵀx_d)²] + λ‖w' − w_S‖² equals (w' − w̃)ᵀA(w' − w̃) + const
+    with A = H_pp + λI and w̃ = A⁻¹(H_pd w + λ w_S) the unconstrained optimum. Starting from
+    w̃, columns are eliminated left to right: a pruned entry's error e = w_ij / U_jj moves
+    onto the later columns of its row (w_i,j: −= e·U_j,j:), U the upper Cholesky factor of
+    A⁻¹. Exact when nothing is pruned (w' = w̃) and for a row whose pruned entries all come
+    before its kept ones; otherwise earlier kept columns never readjust, which is the
+    approximation (measured in docs/METHODS.md §E1). Cost O(rows·K²) for any mask.
+    """
+    w = np.asarray(w, np.float64)
+    k = w.shape[1]
+    a = h_pp + lam * np.eye(k)
+    cur = np.linalg.solve(a, _rhs(w, np.ones_like(mask), h_pd, lam, prior,
+                                  prior_mask=mask).T).T
+    u = np.linalg.cholesky(np.linalg.inv(a)).T  # A⁻¹ = Uᵀ U, U upper
+    for j in range(k):
+        drop = ~mask[:, j]
+        if not drop.any():
+            continue
+        err = cur[drop, j] / u[j, j]
+        cur[np.ix_(drop, np.arange(j, k))] -= np.outer(err, u[j, j:])
+        cur[drop, j] = 0.0
+    return np.where(mask, cur, 0.0)
+
+
+def _rhs(w, mask, h_pd, lam, prior, prior_mask=None) -> np.ndarray:
+    """H_pd w_i (+ λ w_i,S for the ``weights`` prior), per row: (rows, K)."""
+    rhs = w @ h_pd.T  # row i: (H_pd w_i)ᵀ
+    if prior == "weights":
+        keep = mask if prior_mask is None else prior_mask
+        rhs = rhs + lam * np.where(keep, w, 0.0)
+    elif prior != "zero":
+        raise ValueError(f"prior must be one of {PRIORS}")
+    return rhs
+
+
+def reconstruct_rows(w: np.ndarray, mask: np.ndarray, moments: tuple, *, ridge: float = RIDGE,
+                     prior: str = "weights", exact_max: float = EXACT_MAX,
+                     method: str = "auto") -> tuple[np.ndarray, str, float]:
+    """(w' (rows, K) float64, the solver used ("exact" / "sparsegpt"), λ) for one group.
+
+    ``moments``: (H_pp, H_pd, μ_p, μ_d); ``method``: "auto" (exact up to ``exact_max``
+    Σ|S_i|³, else SparseGPT), "exact" or "sparsegpt".
+    """
+    h_pp, h_pd = moments[0], moments[1]
+    lam = ridge_of(h_pp, ridge)
+    if method == "auto":
+        method = "exact" if exact_work(mask) <= exact_max else "sparsegpt"
+    solver = solve_rows if method == "exact" else sparsegpt_rows
+    return solver(w, mask, h_pp, h_pd, lam, prior), method, lam
+
+
+def output_errors(w: np.ndarray, w_new: np.ndarray, w_masked: np.ndarray, b: np.ndarray,
+                  moments: tuple, yd_sq: np.ndarray) -> tuple[np.ndarray, np.ndarray,
+                                                               np.ndarray, np.ndarray]:
+    """Per row (new bias b', E‖y_repaired − y_d‖², E‖y_unrepaired − y_d‖², E‖y_d‖²) from the
+    moments (quadratic forms; ``yd_sq`` = E[(w_iᵀx_d)²] measured directly)."""
+    h_pp, h_pd, mu_p, mu_d = moments
+    shift = w @ mu_d - w_new @ mu_p
+    err_new = _sq_err(w_new, w, h_pp, h_pd, yd_sq, mu_p, mu_d, shift)
+    err_old = _sq_err(w_masked, w, h_pp, h_pd, yd_sq, mu_p, mu_d, np.zeros_like(shift))
+    dense = yd_sq + 2 * b * (w @ mu_d) + b * b
+    return b + shift, np.maximum(err_new, 0.0), np.maximum(err_old, 0.0), dense
+
+
+def _sq_err(a, c, h_pp, h_pd, yd_sq, mu_p, mu_d, delta) -> np.ndarray:
+    """E[(aᵀx_p − cᵀx_d + δ)²] per row."""
+    quad = np.einsum("ik,kl,il->i", a, h_pp, a) - 2 * np.einsum("ik,kl,il->i", a, h_pd, c)
+    return quad + yd_sq + 2 * delta * (a @ mu_p - c @ mu_d) + delta * delta
