@@ -69,6 +69,9 @@ def test_gaps_against_the_oracle_pruned_checkpoint(sparse_run):
     best_dense = ev["readouts"]["dense:accuracy"]["selected"]
     assert best_dense["index"] == int(np.argmax(dense))
     assert best_dense["gap_window_pp"] == pytest.approx(100 * (max(acc) - acc[best_dense["index"]]))
+    from onnxdiag.report.schema import validate_report
+
+    validate_report(json.loads((sparse_run[0] / "report" / "report.json").read_text()))
     agr = s["criteria"]["agreement"]["values"]
     pick = ev["readouts"]["agreement"]["selected"]["index"]
     assert agr[pick] == max(agr) and s["criteria"]["agreement"]["label_free"]
@@ -122,7 +125,8 @@ def test_channel_plan_transfers_to_another_checkpoint(tmp_path):
     r = run("select", *CKPTS, *DATA, "--plan", plan, "--jobs", "1", "--out", tmp_path / "rs")
     assert r.exit_code == 0, r.output
     units = _report(tmp_path / "rs")["checkpoints"]
-    assert [u["prune"]["n_removed"] for u in units] == [sum(map(len, saved["removed"].values()))] * 2
+    n_removed = sum(map(len, saved["removed"].values()))
+    assert [u["prune"]["n_removed"] for u in units] == [n_removed] * 2
 
 
 def test_plan_of_another_architecture_is_refused(tmp_path):

@@ -107,11 +107,12 @@ def inspect(model, as_json, **kw):
 
     MODEL defaults to the bundled sample.
     """
-    from ..commands.analyze import inspect_model
+    from ..commands.analyze import inspect_model, topology_of
     from ..report import to_json
 
     structure, text = inspect_model(model, head=take_records(kw, roles=()).head)
-    click.echo(to_json(structure.to_dict()) if as_json else text, nl=False)
+    click.echo(to_json({**structure.to_dict(), "topology_hash": topology_of(model)})
+               if as_json else text, nl=False)
 
 
 @cli.command()

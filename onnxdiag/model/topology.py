@@ -15,8 +15,8 @@ Tensors enter by *position*, not by name: a graph input is ``i0, i1, …``, a no
 ``n<node>:<k>``, an initializer is named by its first use ``c<node>.<slot>`` (exporters
 list initializers in an order that varies between checkpoints of one run; unused ones
 enter as a sorted list). Renaming nodes or tensors, or reordering the initializer list,
-therefore leaves the hash unchanged; reordering the nodes changes it. Floating-point values, node names,
-doc strings, metadata and inferred ``value_info`` are not hashed.
+therefore leaves the hash unchanged; reordering the nodes changes it. Floating-point
+values, node names, doc strings, metadata and inferred ``value_info`` are not hashed.
 """
 
 from __future__ import annotations
