@@ -74,12 +74,12 @@ def measure(a) -> None:
     runs = {n: m for n, m in sc.load_runs(a.zoo).items()
             if m["schedule"] == a.schedule and m["arch"] in a.archs.split(",")}
     out = a.results / FOLDER
-    meta = sc.read_json(out / "runs.json", {})
     for name, m in runs.items():
         path = out / f"{name}.csv"
         if path.is_file() and not a.again:
             continue
         sc.write_rows(path, measure_run(name, m, a))
+        meta = sc.read_json(out / "runs.json", {})  # read again: another process may add
         meta[name] = {**sc.run_meta(m), "last_k": a.last, "calib": a.calib,
                       "allocation": a.allocation}
         sc.write_json(out / "runs.json", meta)
