@@ -163,3 +163,9 @@ def test_channel_pruned_model_equals_prune_channels_alone(tmp_path):
         assert r.exit_code == 0, r.output
         assert unit["pruned_sha256"] == model_hash(load_model(out))
         assert unit["prune"]["params_after"] < unit["prune"]["params_before"]
+
+
+def test_rank_by_names_a_criterion(tmp_path):
+    r = run("select", *CKPTS, *DATA, "--prune", "0.5", "--rank-by", "pruned:nonsense",
+            "--out", tmp_path / "r")
+    assert_user_error(r, "Unknown --rank-by")

@@ -147,21 +147,35 @@ def gap_table(cs: list[dict]) -> str:
     return sc.table(header, rows)
 
 
+def _run_ci(sel: list[dict], values: list[float]) -> str:
+    """Mean of ``values`` (one per case of ``sel``) with a bootstrap interval that
+    resamples *runs* (all S of a run together: the cases of one run are not independent)."""
+    import numpy as np
+
+    runs = sorted({c["run"] for c in sel})
+    by_run = [np.array([v for c, v in zip(sel, values) if c["run"] == r]) for r in runs]
+    lo, hi = sc.bootstrap_ci(len(runs), lambda i: float(np.concatenate(
+        [by_run[k] for k in i]).mean()))
+    return f"{np.mean(values):+.2f} [{lo:+.2f}, {hi:+.2f}]"
+
+
 def paired_table(cs: list[dict]) -> str:
     """All (run, S) cases pooled per architecture: criterion gap − best-dense gap (pp,
-    negative = the label-free criterion closes part of the gap), bootstrap CI over cases,
-    and the count of cases where it is better / worse."""
-    header = ["arch", "cases", *CRITERIA]
+    negative = the label-free criterion closes part of the gap), bootstrap CI over runs,
+    and the count of cases where it is better (↓) / worse (↑)."""
+    header = ["arch", "runs × S", f"gap {BASELINE}", *CRITERIA]
     rows = []
     for arch in sc.ARCH_ORDER:
         sel = [c for c in cs if c["arch"] == arch]
         if not sel:
             continue
-        cells = []
+        cells = [_run_ci(sel, [c["gaps"][BASELINE] for c in sel])]
         for n in CRITERIA:
             d = [c["gaps"][n] - c["gaps"][BASELINE] for c in sel]
-            cells.append(f"{_ci(d)} ({sum(x < 0 for x in d)}↓ {sum(x > 0 for x in d)}↑)")
-        rows.append([arch, str(len(sel)), *cells])
+            cells.append(f"{_run_ci(sel, d)} ({sum(x < 0 for x in d)}↓ "
+                         f"{sum(x > 0 for x in d)}↑)")
+        n_runs = len({c["run"] for c in sel})
+        rows.append([arch, f"{n_runs} × {len(sel) // max(n_runs, 1)}", *cells])
     return sc.table(header, rows)
 
 

@@ -64,6 +64,9 @@ def select_prune_options(f):
                           "(same topology hash) instead of a plan per checkpoint."),
         click.option("--write-pruned", default=None, metavar="DIR",
                      help="Also write each pruned model (+ sidecar) into DIR."),
+        click.option("--rank-by", default="combined", show_default=True,
+                     help="With pruning: the criterion of the choice and ranking (combined, "
+                          "agreement, dense:READOUT or pruned:READOUT)."),
     ])
 
 
@@ -73,7 +76,7 @@ def take_prune(kw: dict, overwrite: bool):
     from .sparse import take_pruner
 
     names = ("prune_sparsity", "allocation", "repair", "prune_channels", "score", "budget",
-             "plan", "write_pruned")
+             "plan", "write_pruned", "rank_by")
     values = {n: kw.pop(n) for n in names}
     pruner = take_pruner(kw)
     if values["prune_sparsity"] is None and values["prune_channels"] is None \
@@ -85,7 +88,8 @@ def take_prune(kw: dict, overwrite: bool):
         sparsity=values["prune_sparsity"], allocation=values["allocation"],
         repair=values["repair"], channels=values["prune_channels"], score=values["score"],
         budget=values["budget"], plan=values["plan"], seed=kw.get("seed", 0),
-        write_pruned=values["write_pruned"], overwrite=overwrite, pruner=pruner)
+        write_pruned=values["write_pruned"], overwrite=overwrite, rank_by=values["rank_by"],
+        pruner=pruner)
 
 
 def _window(ctx, param, value):

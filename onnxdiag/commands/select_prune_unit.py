@@ -30,7 +30,9 @@ class PruneSelectOptions:
     architecture): ``score``, ``budget`` as for ``prune-channels``; ``repair`` bn
     (default: BN recalibration) or none. ``seed``: the RR draw / ties. ``write_pruned``:
     a folder where each pruned model is written (``<index>-<stem>.onnx`` + sidecar);
-    ``overwrite`` replaces existing files there.
+    ``overwrite`` replaces existing files there. ``rank_by``: the criterion of the headline
+    choice and ranking (docs/METHODS.md §A5: ``combined``, ``agreement``,
+    ``dense:<readout>`` or ``pruned:<readout>``).
     """
 
     sparsity: float | None = None
@@ -43,6 +45,7 @@ class PruneSelectOptions:
     seed: int = 0
     write_pruned: str | None = None
     overwrite: bool = False
+    rank_by: str = "combined"
     pruner: PrunerOptions = field(default_factory=PrunerOptions)
 
     @property
@@ -51,6 +54,13 @@ class PruneSelectOptions:
 
     def check(self) -> None:
         """Raise OnnxDiagError for options no checkpoint can use (before any work)."""
+        prefix, _, name = self.rank_by.partition(":")
+        from ..selection.readouts import READOUTS
+
+        if self.rank_by not in ("combined", "agreement") and not (
+                prefix in ("dense", "pruned") and name in READOUTS):
+            raise OnnxDiagError(f"Unknown --rank-by {self.rank_by!r}; use combined, agreement, "
+                                "dense:<readout> or pruned:<readout> (e.g. pruned:confidence).")
         if (self.sparsity is None) == (not self.structured):
             raise OnnxDiagError("Give one of --prune S (unstructured sparsity) or "
                                 "--prune-channels R / --plan FILE (channels), not both.")

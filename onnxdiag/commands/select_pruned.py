@@ -38,7 +38,8 @@ def select_pruned_report(checkpoints, *, data, eval_data, options, prune, head, 
             Path(prune.write_pruned).mkdir(parents=True, exist_ok=True)
         units, sources, ran_on = _run_units(series, data, eval_data, options, prune, head,
                                             runtime)
-        section = summarize_pruned(units, options, select_by, has_eval=eval_data is not None)
+        section = summarize_pruned(units, options, select_by, has_eval=eval_data is not None,
+                                   rank_by=prune.rank_by)
         section["prune"] = _settings(prune)
         params = {"checkpoints": [str(c) for c in ([checkpoints] if isinstance(
             checkpoints, (str, Path)) else checkpoints)],
@@ -95,7 +96,8 @@ def _run_units(series, data, eval_data, options, prune, head, runtime):
     return out, described, ran_on
 
 
-def summarize_pruned(units: list[dict], options, select_by: str, *, has_eval: bool) -> dict:
+def summarize_pruned(units: list[dict], options, select_by: str, *, has_eval: bool,
+                     rank_by: str = "combined") -> dict:
     """The ``pruned_selection`` section: checkpoints, criteria, the label-free choice and
     ranking and, with labels, every criterion's gap to the oracle pruned checkpoint."""
     from ..selection.pruned import BEST_DENSE, criteria, ranking
@@ -108,14 +110,14 @@ def summarize_pruned(units: list[dict], options, select_by: str, *, has_eval: bo
         [u["pruned"]["readouts"]["values"] for u in ok],
         [u["agreement"]["top1_agreement"] for u in ok], select_by=select_by, targets=targets)
     flagged = [i for i, u in enumerate(ok) if u["dense"]["readouts"]["degenerate"]]
-    headline = "combined" if "combined" in series else "agreement"
+    headline = rank_by if rank_by in series else "agreement"
     pick = select_checkpoint(series[headline], directions[headline], window=options.window,
                              flagged=flagged)
     topo = sorted({u["topology_hash"] for u in ok})
     out = {"n_scored": len(ok), "select_by": select_by, "targets": targets,
            "window": options.window, "flagged": flagged, "headline": headline,
            "selected": pick, "selected_path": ok[pick]["path"],
-           "ranking": ranking(series, directions), "topology_hashes": topo,
+           "ranking": ranking(series, directions, headline), "topology_hashes": topo,
            "criteria": {n: {"direction": directions[n], "label_free": label_free[n],
                             "values": v} for n, v in series.items()},
            "checkpoints": units,

@@ -77,9 +77,9 @@ def criteria(dense: Sequence[dict], pruned: Sequence[dict], agreement: Sequence[
     return series, directions, label_free
 
 
-def ranking(series: dict, directions: dict) -> list[int]:
-    """Checkpoint indices from best to worst by ``combined`` (else the agreement); ties
-    go to the later checkpoint, as in selection."""
-    name = "combined" if "combined" in series else "agreement"
+def ranking(series: dict, directions: dict, name: str = "combined") -> list[int]:
+    """Checkpoint indices from best to worst by the criterion ``name`` (the agreement when
+    the series lacks it); ties go to the later checkpoint, as in selection."""
+    name = name if name in series else "agreement"
     r = rank(series[name], directions[name])
     return sorted(range(len(r)), key=lambda i: (r[i], -i))
