@@ -117,6 +117,8 @@ def cases(results: Path) -> list[dict]:
             best = max(r["pruned_top1"] for r in rs)
             gaps = {n: 100 * (best - rs[pick(rs, n)]["pruned_top1"])
                     for n in (BASELINE, *CRITERIA) if n in rs[0]}
+            gaps["first"] = 100 * (best - rs[0]["pruned_top1"])  # trivial baselines
+            gaps["last"] = 100 * (best - rs[-1]["pruned_top1"])
             out.append({"run": name, "arch": info["arch"], "S": S, "oracle": best,
                         "dense_gap_pp": 100 * (max(r["dense_top1"] for r in rs)
                                                - rs[pick(rs, BASELINE)]["dense_top1"]),
@@ -179,11 +181,34 @@ def paired_table(cs: list[dict]) -> str:
     return sc.table(header, rows)
 
 
+def pooled_table(cs: list[dict]) -> str:
+    """All (run, S) cases of an architecture pooled: the mean gap (pp) of best dense then
+    prune, of the label-free §A3 default (dense head gradient) then prune, of the agreement,
+    of combined, of the first and the last of the K checkpoints, and agreement − dense head
+    gradient; bootstrap CIs over runs."""
+    hg = "dense:head_grad_feature"
+    header = ["arch", "runs × S", "best-dense ≠ oracle", f"gap {BASELINE}", f"gap {hg}",
+              "gap agreement", "gap combined", "gap first of K", "gap last",
+              f"agreement − {hg}"]
+    rows = []
+    for arch in sc.ARCH_ORDER:
+        sel = [c for c in cs if c["arch"] == arch]
+        if not sel:
+            continue
+        n_runs = len({c["run"] for c in sel})
+        rows.append([arch, f"{n_runs} × {len(sel) // max(n_runs, 1)}",
+                     f"{sum(c['differs'] for c in sel)} / {len(sel)}",
+                     *[_run_ci(sel, [c["gaps"][n] for c in sel])
+                       for n in (BASELINE, hg, "agreement", "combined", "first", "last")],
+                     _run_ci(sel, [c["gaps"]["agreement"] - c["gaps"][hg] for c in sel])])
+    return sc.table(header, rows)
+
+
 def tables(results: Path, only: str | None = None) -> list[str]:
     cs = cases(results)
     if not cs:
         return ["(no raw results)"]
-    parts = {"gap": gap_table(cs), "paired": paired_table(cs)}
+    parts = {"pooled": pooled_table(cs), "gap": gap_table(cs), "paired": paired_table(cs)}
     keys = only.split(",") if only else list(parts)
     return [parts[k] for k in keys]
 

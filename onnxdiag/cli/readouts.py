@@ -64,7 +64,7 @@ def select_prune_options(f):
                           "(same topology hash) instead of a plan per checkpoint."),
         click.option("--write-pruned", default=None, metavar="DIR",
                      help="Also write each pruned model (+ sidecar) into DIR."),
-        click.option("--rank-by", default="combined", show_default=True,
+        click.option("--rank-by", default="agreement", show_default=True,
                      help="With pruning: the criterion of the choice and ranking (combined, "
                           "agreement, dense:READOUT or pruned:READOUT)."),
     ])

@@ -31,8 +31,8 @@ class PruneSelectOptions:
     (default: BN recalibration) or none. ``seed``: the RR draw / ties. ``write_pruned``:
     a folder where each pruned model is written (``<index>-<stem>.onnx`` + sidecar);
     ``overwrite`` replaces existing files there. ``rank_by``: the criterion of the headline
-    choice and ranking (docs/METHODS.md §A5: ``combined``, ``agreement``,
-    ``dense:<readout>`` or ``pruned:<readout>``).
+    choice and ranking (docs/METHODS.md §A5: ``agreement``, our default from study 5 of
+    docs/STUDIES.md; ``combined``; ``dense:<readout>`` or ``pruned:<readout>``).
     """
 
     sparsity: float | None = None
@@ -45,7 +45,7 @@ class PruneSelectOptions:
     seed: int = 0
     write_pruned: str | None = None
     overwrite: bool = False
-    rank_by: str = "combined"
+    rank_by: str = "agreement"
     pruner: PrunerOptions = field(default_factory=PrunerOptions)
 
     @property

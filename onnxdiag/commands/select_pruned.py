@@ -97,7 +97,7 @@ def _run_units(series, data, eval_data, options, prune, head, runtime):
 
 
 def summarize_pruned(units: list[dict], options, select_by: str, *, has_eval: bool,
-                     rank_by: str = "combined") -> dict:
+                     rank_by: str = "agreement") -> dict:
     """The ``pruned_selection`` section: checkpoints, criteria, the label-free choice and
     ranking and, with labels, every criterion's gap to the oracle pruned checkpoint."""
     from ..selection.pruned import BEST_DENSE, criteria, ranking
