@@ -70,10 +70,52 @@ def measure_run(name: str, m: dict, a) -> list[dict]:
     return rows
 
 
+def measure_channels(name: str, m: dict, a) -> list[dict]:
+    """Rows (mode × checkpoint) of one run at channel ratio ``a.channels`` (magnitude score,
+    BN recalibration): a plan per checkpoint, and one fixed plan made on the run's last
+    checkpoint and transferred to the others (same topology hash)."""
+    import tempfile
+
+    import onnxdiag
+    from onnxdiag import ChannelPruneOptions, DataRequest, ReportTarget, Runtime, SelectOptions
+    from onnxdiag.commands.select_prune_unit import PruneSelectOptions
+
+    ckpts = [str(p) for p in sc.ckpt_paths(m)[-a.last:]]
+    calib = DataRequest(str(a.zoo / "calib.npz"), limit=a.calib, seed=0)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        plan = Path(tmp) / "plan.json"
+        onnxdiag.prune_channels_report(
+            ckpts[-1], output=str(Path(tmp) / "last.onnx"), data=calib,
+            options=ChannelPruneOptions(ratio=a.channels, score="magnitude",
+                                        plan_out=str(plan)),
+            runtime=Runtime(progress=False), report=ReportTarget(write=False))
+        for mode, prune in (("per_checkpoint", PruneSelectOptions(channels=a.channels,
+                                                                   score="magnitude")),
+                            ("fixed_plan", PruneSelectOptions(plan=str(plan)))):
+            t0 = time.time()
+            res = onnxdiag.select_report(
+                ckpts, data=calib, eval_data=DataRequest(str(a.zoo / "eval.npz")),
+                options=SelectOptions(targets="expected", window="all"), prune=prune,
+                runtime=Runtime(jobs=1, progress=False), report=ReportTarget(write=False))
+            sec = res.report["pruned_selection"]
+            for i, u in enumerate(sec["checkpoints"]):
+                rows.append({"mode": mode, "S": a.channels, "checkpoint": Path(u["path"]).name,
+                             "dense_top1": sec["dense_accuracy"][i],
+                             "pruned_top1": sec["pruned_accuracy"][i],
+                             "seconds": (time.time() - t0) / len(ckpts),
+                             **{n: c["values"][i] for n, c in sec["criteria"].items()}})
+            print(f"[{name}] channels {a.channels:g} {mode}: {time.time() - t0:.0f} s",
+                  file=sys.stderr, flush=True)
+    return rows
+
+
 def measure(a) -> None:
     runs = {n: m for n, m in sc.load_runs(a.zoo).items()
             if m["schedule"] == a.schedule and m["arch"] in a.archs.split(",")}
     out = a.results / FOLDER
+    if a.channels:
+        return measure_all_channels(runs, out / "channels", a)
     for name, m in runs.items():
         path = out / f"{name}.csv"
         if path.is_file() and not a.again:
@@ -83,6 +125,13 @@ def measure(a) -> None:
         meta[name] = {**sc.run_meta(m), "last_k": a.last, "calib": a.calib,
                       "allocation": a.allocation}
         sc.write_json(out / "runs.json", meta)
+
+
+def measure_all_channels(runs: dict, out: Path, a) -> None:
+    for name, m in runs.items():
+        path = out / f"{name}.csv"
+        if not path.is_file() or a.again:
+            sc.write_rows(path, measure_channels(name, m, a))
 
 
 # ------------------------------------------------------------------------------ tables
@@ -204,11 +253,51 @@ def pooled_table(cs: list[dict]) -> str:
     return sc.table(header, rows)
 
 
+def channel_table(results: Path) -> str | None:
+    """The structured form per mode (a plan per checkpoint / one fixed plan): how often
+    best dense ≠ oracle pruned, and the mean gaps (pp, bootstrap CI over runs)."""
+    folder = results / FOLDER / "channels"
+    files = sorted(folder.glob("*.csv")) if folder.is_dir() else []
+    if not files:
+        return None
+    header = ["arch", "mode", "R", "runs", "best-dense ≠ oracle", f"gap {BASELINE}",
+              "gap agreement", "gap combined", "gap first of K", "gap last",
+              "pruned top-1 % (mean)"]
+    meta = sc.read_json(results / FOLDER / "runs.json", {})
+    out = []
+    for arch, mode in ((a, m) for a in sc.ARCH_ORDER for m in ("per_checkpoint", "fixed_plan")):
+        sel, acc = [], []
+        for f in (f for f in files if meta.get(f.stem, {}).get("arch") == arch):
+            rs = [{**r, BASELINE: r["dense_top1"]} for r in sc.read_rows(f)
+                  if r["mode"] == mode]
+            best = max(r["pruned_top1"] for r in rs)
+            g = {n: 100 * (best - rs[pick(rs, n)]["pruned_top1"])
+                 for n in (BASELINE, "agreement", "combined")}
+            g["first"], g["last"] = (100 * (best - rs[k]["pruned_top1"]) for k in (0, -1))
+            sel.append({"run": f.stem, "gaps": g, "differs": g[BASELINE] > 0})
+            acc += [r["pruned_top1"] for r in rs]
+        if not sel:
+            continue
+        out.append([arch, mode, fmt_r(rs[0]["S"]), str(len(sel)),
+                    f"{sum(c['differs'] for c in sel)} / {len(sel)}",
+                    *[_run_ci(sel, [c["gaps"][n] for c in sel])
+                      for n in (BASELINE, "agreement", "combined", "first", "last")],
+                    f"{100 * sum(acc) / len(acc):.1f}"])
+    return sc.table(header, out)
+
+
+def fmt_r(x) -> str:
+    return f"{x:g}"
+
+
 def tables(results: Path, only: str | None = None) -> list[str]:
     cs = cases(results)
     if not cs:
         return ["(no raw results)"]
     parts = {"pooled": pooled_table(cs), "gap": gap_table(cs), "paired": paired_table(cs)}
+    channels = channel_table(results)
+    if channels:
+        parts["channels"] = channels
     keys = only.split(",") if only else list(parts)
     return [parts[k] for k in keys]
 
@@ -221,6 +310,9 @@ def main(argv=None) -> int:
     p.add_argument("--last", type=int, default=5, help="the last K checkpoints of each run")
     p.add_argument("--calib", type=int, default=256, help="calibration images (--limit)")
     p.add_argument("--allocation", default="erk")
+    p.add_argument("--channels", type=float, default=None,
+                   help="instead: the structured form at this channel ratio (magnitude, BN "
+                        "recalibration), a plan per checkpoint vs one fixed plan")
     p.add_argument("--again", action="store_true", help="re-measure what is in --results")
     p.add_argument("--out", type=Path, default=None, help="also write the Markdown here")
     sc.results_arg(p)

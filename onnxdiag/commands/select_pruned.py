@@ -123,7 +123,7 @@ def summarize_pruned(units: list[dict], options, select_by: str, *, has_eval: bo
            "checkpoints": units,
            "failed": [{"path": u["path"], "error": u["error"]} for u in units
                       if u["error"] is not None]}
-    if has_eval:
+    if has_eval and all(u[k]["evaluation"] for u in ok for k in ("dense", "pruned")):
         dense_acc = [u["dense"]["evaluation"]["accuracy"] for u in ok]
         pruned_acc = [u["pruned"]["evaluation"]["accuracy"] for u in ok]
         ev = evaluate_selection({**series, BEST_DENSE: dense_acc}, pruned_acc,
