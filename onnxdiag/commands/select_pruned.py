@@ -178,6 +178,8 @@ def render_pruned(section: dict) -> str:
     if len(section["topology_hashes"]) > 1:
         lines.append(f"note: {len(section['topology_hashes'])} architectures (topology "
                      "hashes) in this series")
+    else:
+        lines.append(f"topology hash {section['topology_hashes'][0][:16]}… (one architecture)")
     lines.append(f"selected by {section['headline']} (window {section['window']}): "
                  f"#{section['selected']} {section['selected_path']}")
     lines.append("ranking (best first, all checkpoints): "
