@@ -57,6 +57,7 @@ _RECORDS = {name: "commands.base" for name in ("DataRequest", "HeadChoice", "Run
                                                 "ReportTarget")}
 _RECORDS.update({
     "ReadoutOptions": "commands.analyze", "SelectOptions": "commands.select",
+    "PruneSelectOptions": "commands.select_prune_unit",
     "ChannelsOptions": "commands.channels", "LesionOptions": "commands.lesion",
     "OrthogonalityOptions": "commands.orthogonality",
     "RROptions": "commands.rr", "PruneOptions": "commands.prune",

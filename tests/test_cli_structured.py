@@ -82,10 +82,16 @@ def test_plan_replays_to_the_same_bytes_and_only_on_its_model(tiny, tmp_path):
     result = run("prune-channels", model, "--plan", plan, "-o", again, "--out", tmp_path / "r2")
     assert result.exit_code == 0, result.output
     assert first.read_bytes() == again.read_bytes()
+    # another checkpoint of the architecture (same topology hash): the plan transfers
+    # (docs/METHODS.md §A5); another architecture is refused before anything is written
     other = save_model(corpus.residual_block(seed=1), tmp_path / "other.onnx")
-    assert_user_error(run("prune-channels", other, "--plan", plan, "-o", tmp_path / "c.onnx",
-                          "--out", tmp_path / "r3"),
-                      "The plan was made for model", tmp_path / "c.onnx", tmp_path / "r3")
+    result = run("prune-channels", other, "--plan", plan, "-o", tmp_path / "c.onnx",
+                 "--out", tmp_path / "r3")
+    assert result.exit_code == 0 and "plan transferred" in result.output, result.output
+    foreign = save_model(corpus.concat_block(), tmp_path / "foreign.onnx")
+    assert_user_error(run("prune-channels", foreign, "--plan", plan, "-o", tmp_path / "d.onnx",
+                          "--out", tmp_path / "r4"),
+                      "another architecture", tmp_path / "d.onnx", tmp_path / "r4")
 
 
 def test_emitted_model_folds_bn_by_default_and_equals_the_unfolded_one(tiny, tmp_path):

@@ -93,3 +93,27 @@ def test_committed_results_reproduce_a_table_of_studies_md(capsys):
     doc = (ROOT / "docs" / "STUDIES.md").read_text()
     for block in first:
         assert block.strip() and block.strip() in doc
+
+
+def test_select_pruned_study_tables_from_raw_results(tmp_path):
+    """Study 5's arithmetic: the gap of a criterion is the oracle pruned top-1 minus the
+    pruned top-1 of its pick; "best dense then prune" picks the best dense checkpoint."""
+    import study_select_pruned as ssp
+
+    folder = tmp_path / ssp.FOLDER
+    rows = []
+    for i, (dense, pruned, agr) in enumerate([(0.80, 0.60, 0.70), (0.78, 0.66, 0.80),
+                                              (0.79, 0.62, 0.75)]):
+        row = {"S": 0.9, "checkpoint": f"ckpt_{i}.onnx", "dense_top1": dense,
+               "pruned_top1": pruned, "manifest_test": dense, "seconds": 1.0,
+               "agreement": agr, "combined": [1.5, 0.5, 1.0][i]}
+        row.update({n: float(i) for n in ssp.CRITERIA if n not in row})
+        rows.append(row)
+    study_common.write_rows(folder / "r0.csv", rows)
+    study_common.write_json(folder / "runs.json", {"r0": {"arch": "resnet18"}})
+    (case,) = ssp.cases(tmp_path)
+    assert case["differs"] and case["gaps"][ssp.BASELINE] == pytest.approx(6.0)
+    assert case["gaps"]["agreement"] == pytest.approx(0.0)
+    assert case["gaps"]["combined"] == pytest.approx(0.0)
+    assert case["gaps"]["dense:confidence"] == pytest.approx(4.0)  # higher: picks #2
+    assert ssp.main(["--from-results", "--results", str(tmp_path)]) == 0

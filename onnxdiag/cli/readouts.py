@@ -39,6 +39,59 @@ def readout_options(f):
     ])
 
 
+def select_prune_options(f):
+    """--prune / --prune-channels and their settings (docs/METHODS.md §A5)."""
+    from .sparse import REPAIR_CHOICES, RULE_CHOICES, rr_options
+
+    return stack_options(rr_options(f), [
+        click.option("--prune", "prune_sparsity", type=click.FloatRange(0, 1), default=None,
+                     help="Also prune every checkpoint to this global sparsity S (as "
+                          "`onnxdiag prune`) and rank for the pruned model."),
+        click.option("--allocation", type=click.Choice(RULE_CHOICES), default="rr",
+                     show_default=True, help="With --prune: how S is spread over layers."),
+        click.option("--repair", type=click.Choice(REPAIR_CHOICES), default=None,
+                     help="Label-free repair: with --prune default cr+bn; with "
+                          "--prune-channels bn (BN recalibration, default) or none."),
+        click.option("--prune-channels", "prune_channels", type=float, default=None,
+                     metavar="R", help="Also remove this fraction of each channel group "
+                                       "(as `onnxdiag prune-channels`) and rank."),
+        click.option("--score", default="two_axis", show_default=True,
+                     help="With --prune-channels: the channel score."),
+        click.option("--budget", type=click.Choice(["uniform", "global"]), default="uniform",
+                     show_default=True, help="With --prune-channels: the channel budget."),
+        click.option("--plan", default=None, metavar="PLAN.json",
+                     help="Apply this channel plan to every checkpoint of its architecture "
+                          "(same topology hash) instead of a plan per checkpoint."),
+        click.option("--write-pruned", default=None, metavar="DIR",
+                     help="Also write each pruned model (+ sidecar) into DIR."),
+        click.option("--rank-by", default="agreement", show_default=True,
+                     help="With pruning: the criterion of the choice and ranking (combined, "
+                          "agreement, dense:READOUT or pruned:READOUT)."),
+    ])
+
+
+def take_prune(kw: dict, overwrite: bool):
+    """The PruneSelectOptions of the command line (None without --prune / --prune-channels
+    / --plan); removes its options from ``kw``."""
+    from .sparse import take_pruner
+
+    names = ("prune_sparsity", "allocation", "repair", "prune_channels", "score", "budget",
+             "plan", "write_pruned", "rank_by")
+    values = {n: kw.pop(n) for n in names}
+    pruner = take_pruner(kw)
+    if values["prune_sparsity"] is None and values["prune_channels"] is None \
+            and values["plan"] is None:
+        return None
+    from ..commands.select_prune_unit import PruneSelectOptions
+
+    return PruneSelectOptions(
+        sparsity=values["prune_sparsity"], allocation=values["allocation"],
+        repair=values["repair"], channels=values["prune_channels"], score=values["score"],
+        budget=values["budget"], plan=values["plan"], seed=kw.get("seed", 0),
+        write_pruned=values["write_pruned"], overwrite=overwrite, rank_by=values["rank_by"],
+        pruner=pruner)
+
+
 def _window(ctx, param, value):
     """``--window``: a number of checkpoints or 'all'."""
     if value == "all":
@@ -58,11 +111,12 @@ def inspect(model, as_json, **kw):
 
     MODEL defaults to the bundled sample.
     """
-    from ..commands.analyze import inspect_model
+    from ..commands.analyze import inspect_model, topology_of
     from ..report import to_json
 
     structure, text = inspect_model(model, head=take_records(kw, roles=()).head)
-    click.echo(to_json(structure.to_dict()) if as_json else text, nl=False)
+    click.echo(to_json({**structure.to_dict(), "topology_hash": topology_of(model)})
+               if as_json else text, nl=False)
 
 
 @cli.command()
@@ -120,6 +174,7 @@ def readouts(model, **kw):
               help="Early stopping: checkpoints without improvement before stopping.")
 @click.option("--select-by", default=None,
               help="Readout used for the headline choice (default: the head gradient, --norm).")
+@select_prune_options
 @output_options
 def select(checkpoints, **kw):
     """Pick a checkpoint without validation data (docs/METHODS.md §A3).
@@ -127,9 +182,14 @@ def select(checkpoints, **kw):
     CHECKPOINTS are .onnx files in training order, a folder (natural sort order), or a
     JSON/CSV listing with paths and steps. With --eval-data, also reports how good
     each readout's choice was (accuracy, correlations, selection gap).
+
+    With --prune S (unstructured, as `onnxdiag prune`) or --prune-channels R / --plan
+    (channels, as `onnxdiag prune-channels`), every checkpoint is also pruned and
+    repaired, and the series is ranked for the pruned deployment (docs/METHODS.md §A5).
     """
     from ..commands.select import SelectOptions, select_report
 
     rec = take_records(kw, roles=("", "eval-"))
-    emit_result(select_report(list(checkpoints), **rec.library(), options=SelectOptions(**kw)),
-                rec.fmt)
+    prune = take_prune(kw, rec.report.overwrite)
+    emit_result(select_report(list(checkpoints), **rec.library(), options=SelectOptions(**kw),
+                              prune=prune), rec.fmt)

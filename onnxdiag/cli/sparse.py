@@ -94,6 +94,14 @@ def ls_options(f):
     return f
 
 
+def take_pruner(kwargs: dict):
+    """The :class:`~onnxdiag.commands.pruning.PrunerOptions` of ``rr_options``, removed
+    from ``kwargs``."""
+    from ..commands.pruning import PrunerOptions
+
+    return PrunerOptions.take(kwargs)
+
+
 def _verb_options(cls, kwargs: dict):
     """The verb's options record from what ``take_records`` left: the shared pruner
     options nested as ``pruner``, the rest as the verb's own fields."""

@@ -49,8 +49,21 @@ def inspect_model(model=None, *, head: HeadChoice = HeadChoice()):  # noqa: B008
     from ..model.io import load_model
 
     path, _ = resolve_model(model)
-    structure = analyze_structure(load_model(path), head=head.head, features=head.features)
-    return structure, render_structure(to_jsonable(structure.to_dict()))
+    m = load_model(path)
+    structure = analyze_structure(m, head=head.head, features=head.features)
+    return structure, render_structure({**to_jsonable(structure.to_dict()),
+                                        "topology_hash": topology_of(m)})
+
+
+def topology_of(model=None) -> str:
+    """The topology hash of a model (a path, or loaded; None: the bundled sample): its
+    architecture without weights (docs/METHODS.md §A5)."""
+    from ..model.io import load_model
+    from ..model.topology import topology_hash
+
+    if model is None or not hasattr(model, "graph"):
+        model = load_model(resolve_model(model)[0])
+    return topology_hash(model)
 
 
 def analyze(model=None, *, data=None, eval_data=None,

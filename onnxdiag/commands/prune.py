@@ -88,7 +88,7 @@ def prune_report_sparse(model, *, output, data, eval_data=None,
                          keep_dense=options.pruner.keep_dense)
     budget = plan_model_budget(options.sparsity, inputs.structure.layers, inputs.layers,
                                options.pruner.keep_dense)
-    pruned, pruner, alloc, record = _prune(inputs, options, budget, runtime)
+    pruned, pruner, alloc, record = prune_inputs(inputs, options, budget, runtime)
     info = _emit(inputs, pruned, pruner, alloc, record, budget=budget, output=output,
                  options=options, protect=protect)
     meta = pruning_metadata("prune", inputs, options, runtime=runtime, head=head, data=data,
@@ -112,7 +112,7 @@ def no_op_reason(budget) -> str | None:
             f"down to 0 weights (⌊S·N⌋ = 0)")
 
 
-def _prune(inputs: Inputs, options: PruneOptions, budget, runtime) -> tuple:
+def prune_inputs(inputs: Inputs, options: PruneOptions, budget, runtime) -> tuple:
     """(finalized pruned model, pruner, allocation, repair record or None for a no-op)."""
     from ..model.finalize import finalize_model
 

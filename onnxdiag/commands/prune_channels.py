@@ -33,6 +33,7 @@ from .channel_pruning import (
     removal_reason,
     resolve_round_to,
 )
+from .plan_transfer import stamp_plan
 from .prune_channels_text import render_prune, width_notes
 
 COMMAND = "prune-channels"
@@ -99,15 +100,14 @@ def prune_channels_report(model, *, output, data=None, eval_data=None, train_dat
     calib, evaluation = open_request(data, specs), open_request(eval_data, specs)
     train = open_request(train_data, specs) if recovery.finetune else None
     if options.plan is not None:  # the plan names its head (and features)
-        the_plan, structure, head = _replay(m, options.plan)
-        notes = []
+        the_plan, structure, head, notes = replay_plan_file(m, options.plan)
     else:
         structure = find_structure(m, head, data or eval_data,
                                    providers=runtime.providers)
     check_labels(structure, calib, evaluation, train)  # before the statistics pass
     if options.plan is None:
-        the_plan, notes = _new_plan(m, structure, calib, options, head, runtime)
-    pruned, p_struct, record, steps = _prune_and_recover(
+        the_plan, notes = new_plan(m, structure, calib, options, head, runtime)
+    pruned, p_struct, record, steps = prune_and_recover(
         m, structure, the_plan, (calib, evaluation, train), recovery,
         (options.seed, head, runtime))
     feeds = dict(example_input(specs, evaluation or calib)[:8])
@@ -193,17 +193,19 @@ def _check_outputs(output, plan_out, protect, overwrite: bool) -> None:
 
 
 # -- the plan ---------------------------------------------------------------------------------
-def _replay(m, path):
-    """(the plan of ``path``, checked to be this model's; the structure it was made on;
-    its HeadChoice)."""
+def replay_plan_file(m, path):
+    """(the plan of ``path``; the structure of ``m`` it applies to: the model it was made
+    on, or another checkpoint of its architecture (docs/METHODS.md §A5); its HeadChoice;
+    notes)."""
     from ..structured import load_plan
-    from ..structured.plan import plan_structure
+    from .plan_transfer import plan_target, transfer_note
 
     plan = load_plan(path)
-    return plan, plan_structure(m, plan), HeadChoice(plan.head, plan.features)
+    structure, transfer = plan_target(m, plan)
+    return plan, structure, HeadChoice(plan.head, plan.features), transfer_note(transfer)
 
 
-def _new_plan(m, structure, calib, options: ChannelPruneOptions, head: HeadChoice,
+def new_plan(m, structure, calib, options: ChannelPruneOptions, head: HeadChoice,
               runtime: Runtime):
     """(a new Plan of ``options``, notes); the statistics pass is skipped when nothing
     can be removed whatever the scores."""
@@ -232,7 +234,7 @@ def _new_plan(m, structure, calib, options: ChannelPruneOptions, head: HeadChoic
     plan = plan_pruning(m, structure, scores, options.ratio, budget=options.budget,
                         reference=ref, seed=options.seed, score_name=options.score,
                         round_to=resolve_round_to(options.round_to), features=head.features)
-    return plan, notes
+    return stamp_plan(plan, m), notes
 
 
 def the_groups(structure, plan) -> dict:
@@ -242,7 +244,7 @@ def the_groups(structure, plan) -> dict:
 
 
 # -- prune, recover, measure ------------------------------------------------------------------
-def _prune_and_recover(m, structure, plan, sources, recovery: Recovery, how):
+def prune_and_recover(m, structure, plan, sources, recovery: Recovery, how):
     """(the pruned and recovered model, its structure, the PruneRecord, {accuracy before
     recovery, recalibration, finetune}); ``sources`` = (calib, evaluation, train), ``how``
     = (seed, head choice, runtime)."""

@@ -42,6 +42,10 @@ def render_prune(info: dict) -> str:
              f"FLOPs ratio {fmt3(info['flops_ratio'])}, params ratio "
              f"{fmt3(info['params_ratio'])}, file-size ratio {fmt3(info.get('file_size_ratio'))}"
              f", CPU speed-up {_speedups(lat)}"]
+    topo = (plan.get("settings") or {}).get("topology_hash")
+    if topo:
+        lines.append(f"plan topology hash {topo[:16]}… (applies to every checkpoint of this "
+                     "architecture, docs/METHODS.md §A5)")
     lines += _optimization_lines(info.get("optimization"))
     lines += _recovery_lines(info)
     cmp_ = info.get("comparison")

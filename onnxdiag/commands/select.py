@@ -52,7 +52,7 @@ def select_report(checkpoints, *, data, eval_data=None,
                   head: HeadChoice = HeadChoice(),  # noqa: B008
                   runtime: Runtime = Runtime(),  # noqa: B008
                   report: ReportTarget = ReportTarget(),  # noqa: B008
-                  ) -> CommandResult:
+                  prune=None) -> CommandResult:
     """Score a checkpoint series and pick one without validation data (``onnxdiag select``).
 
     ``checkpoints``: .onnx files in training order, a folder, or a JSON/CSV listing.
@@ -62,7 +62,10 @@ def select_report(checkpoints, *, data, eval_data=None,
     :class:`~onnxdiag.runtime.executor.Executor`). A checkpoint that fails is reported and
     skipped. With ``eval_data`` each readout's choice is compared with the labelled
     oracle (docs/METHODS.md §A3); checkpoints of different architectures are ranked as a
-    zoo ("screening").
+    zoo ("screening"). ``prune``: a
+    :class:`~onnxdiag.commands.select_prune_unit.PruneSelectOptions`; then every
+    checkpoint is also pruned and repaired, and the series is ranked for the pruned
+    deployment (docs/METHODS.md §A5; report section ``pruned_selection``).
     """
     from ..selection.checkpoints import list_checkpoints
     from ..selection.readouts import HEAD_GRAD_NAMES, get_readout
@@ -71,6 +74,12 @@ def select_report(checkpoints, *, data, eval_data=None,
     if data is None:
         raise OnnxDiagError("select needs a probe batch: pass --data (data=...) with samples "
                             "of the model's inputs.")
+    if prune is not None:
+        from .select_pruned import select_pruned_report
+
+        return select_pruned_report(checkpoints, data=data, eval_data=eval_data,
+                                    options=options, prune=prune, head=head, runtime=runtime,
+                                    report=report)
     with report.claim("select") as claim:
         series = list_checkpoints(checkpoints)
         select_by = options.select_by or HEAD_GRAD_NAMES[options.norm]

@@ -22,6 +22,7 @@ from .plots import figure as _figure
 from .plots import finite as _finite
 from .plots import plot_channels, plot_readouts, plot_repairability, plot_selection
 from .plots import png as _png
+from .select_plots import plot_pruned_selection
 from .structure_plots import plot_depth, plot_orthogonality
 
 HTML_EXTRA_HINT = "pip install 'onnxdiag[report]' (matplotlib) to also get report.html"
@@ -140,7 +141,8 @@ def _plot_prune_sweep(report: dict) -> list:
              "is the dense model. AUC: normalised area under the solid curve.", _png(fig))]
 
 
-PLOTTERS: list[Callable[[dict], list]] = [plot_readouts, plot_selection, plot_channels,
+PLOTTERS: list[Callable[[dict], list]] = [plot_readouts, plot_selection, plot_pruned_selection,
+                                           plot_channels,
                                            plot_depth, plot_orthogonality, plot_repairability,
                                            _plot_sweep, _plot_prune_sweep]
 

@@ -20,6 +20,9 @@ def render_structure(s: dict, *, max_layers: int = 60) -> str:
     ]
     if head.get("note"):
         lines.append(f"head note: {head['note']}")
+    if s.get("topology_hash"):
+        lines.append(f"topology hash (architecture without weights, docs/METHODS.md §A5): "
+                     f"{s['topology_hash']}")
     rows = []
     for layer in s["layers"]:
         rows.append({
