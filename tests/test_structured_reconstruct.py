@@ -117,7 +117,7 @@ def test_nothing_removed_is_the_identity():
 def test_fit_equals_lstsq_on_the_exposed_consumer_inputs(ridge):
     model, batches = _two_convs(duplicate=None), _batches()
     s = analyze_structure(model)
-    moments = collect_input_moments(model, consumer_sites(s), batches)
+    moments = collect_input_moments(model, consumer_sites(s), batches, positions=None)
     removed = [1, 4, 5]
     a, c, kept, lam = fit_reconstruction(moments["r1"], removed, ridge)
     x = channel_rows(_run(model, batches, ["r1"])["r1"], 1).astype(np.float64)

@@ -28,7 +28,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from ..graph import Structure
+from ..graph import GraphIndex, Structure
 from ..graph._records import jsonable
 from ..model.edit import ModelEditor
 from ..stats import Moments
@@ -122,32 +122,67 @@ def removed_inputs(structure: Structure, removed: Mapping) -> dict[str, list[int
 
 
 # -- statistics -------------------------------------------------------------------------------
+#: Spatial positions sampled per image for a conv consumer's input (all when H·W is
+#: smaller); tokens of a MatMul / Gemm consumer are all taken.
+DEFAULT_POSITIONS = 64
+
+
 def collect_input_moments(model: onnx.ModelProto, sites: Mapping[str, ConsumerSite], batches,
-                          *, providers=None) -> dict[str, Moments]:
-    """{input tensor: Moments over its channels} of the ``sites``' inputs, every position
-    (pixel or token) one sample, in one pass over ``batches`` (a list of feed dicts or a
-    DataSource). Never modifies ``model``."""
-    from ..model.expose import expose_tensors
+                          *, providers=None, positions: int | None = DEFAULT_POSITIONS,
+                          seed: int = 0) -> dict[str, Moments]:
+    """{input tensor: Moments over its channels} of the ``sites``' inputs in one pass over
+    ``batches`` (a list of feed dicts or a DataSource): every token of a linear
+    consumer's input is a sample; of a conv consumer's, ``positions`` seeded positions
+    per image (docs/METHODS.md §B1's draw; None: every position). Never modifies
+    ``model``."""
+    from ..model.expose import expose_channels_last, expose_tensors
     from ..runtime.runner import OrtRunner
 
     tensors = {s.tensor: s for s in sites.values()}
     if not tensors:
         return {}
-    runner = OrtRunner(expose_tensors(model, list(tensors)), providers=providers)
+    index = GraphIndex(model)
+    ranks = {t: index.rank(t) for t, s in tensors.items() if s.channels_axis == 1}
+    convs = {t: r for t, r in ranks.items() if r is not None and r > 2}
+    # conv inputs channels-last: ORT folds the Transpose into its blocked layout's reorder
+    exposed, names = expose_channels_last(model, convs, tag="recon")
+    linear = [t for t in tensors if t not in convs]
+    exposed = expose_tensors(exposed, linear) if linear else exposed
+    runner = OrtRunner(exposed, providers=providers)
+    wanted = {t: names.get(t, t) for t in tensors}
     moments = {t: Moments(s.n_in) for t, s in tensors.items()}
-    for out in _stream(runner, batches, list(tensors)):
+    for indices, out in _stream(runner, batches, list(wanted.values())):
         for t, s in tensors.items():
-            moments[t].update(channel_rows(out[t], s.channels_axis))
+            x = out[wanted[t]]
+            rows = _sampled(x, positions, seed, indices) if t in convs else \
+                channel_rows(x, s.channels_axis)
+            moments[t].update(rows)
     return moments
 
 
+def _sampled(x: np.ndarray, positions: int | None, seed: int, indices) -> np.ndarray:
+    """Rows (samples, C) of a channels-last (N, …, C) map: ``positions`` per image drawn
+    as docs/METHODS.md §B1 (stats.draw_positions), or all."""
+    from ..stats import draw_positions
+
+    flat = x.reshape(x.shape[0], -1, x.shape[-1])
+    if positions is None or flat.shape[1] <= positions:
+        return flat.reshape(-1, x.shape[-1])
+    picked = draw_positions(flat.shape[1], positions, seed=seed, sample_indices=indices)
+    return flat[np.arange(flat.shape[0])[:, None], picked].reshape(-1, x.shape[-1])
+
+
 def _stream(runner, batches, names):
+    """(sample indices, outputs) per batch."""
     if isinstance(batches, list):
+        seen = 0
         for feeds in batches:
-            yield runner.run(feeds, names)
+            n = len(next(iter(feeds.values())))
+            yield np.arange(seen, seen + n), runner.run(feeds, names)
+            seen += n
     else:
-        for _, out in runner.stream(batches, names):
-            yield out
+        for batch, out in runner.stream(batches, names):
+            yield batch.indices, out
 
 
 def channel_rows(x: np.ndarray, axis: int) -> np.ndarray:
