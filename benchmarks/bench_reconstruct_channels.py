@@ -1,16 +1,16 @@
 #!/usr/bin/env python3
 """Structured reconstruction (docs/METHODS.md §E2, §E3): its cost, and what it recovers.
 
-    python benchmarks/bench_reconstruct_channels.py cost [--limit N]
+    python benchmarks/bench_reconstruct_channels.py cost
     python benchmarks/bench_reconstruct_channels.py recovery MODEL CALIB EVAL [MODEL ...]
         [--fold-bn] [--finetune TRAIN] [--ratios 0.25,0.5,0.75] [--latency]
     python benchmarks/bench_reconstruct_channels.py choice MODEL CALIB EVAL [MODEL ...]
     python benchmarks/bench_reconstruct_channels.py --smoke
 
-``cost``: on the bundled sample (models/sample, calibration set), one dense ONNX Runtime
-pass over the calibration data vs the whole reconstruction of a 50 % magnitude plan (the
-consumers' input-moments pass, the fits, the fold, the pruning and the finalizer),
-interleaved, median of 3 rounds; the ratio is what issue 17 bounds (≤ 2).
+``cost``: on the bundled sample (models/sample; its calibration images tiled to 1,000 and
+4,000), one dense ONNX Runtime pass over the calibration data vs the whole reconstruction
+of a 50 % magnitude plan (the consumers' input-moments pass, the fits, the fold, the
+pruning and the finalizer), interleaved, median of 5 rounds (the target: ≤ 2×).
 
 ``recovery``: per model, kept fraction (magnitude score, uniform budget: FLOPs equal for
 every recovery), top-1 % with no recovery / BN recalibration / reconstruction /
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -71,13 +72,13 @@ def _plan(m, s, name, ratio, moments):
 def _variants(m, s, plan, calib, moments, wanted, cache, train=None):
     """{recovery: model} for the ``wanted`` recoveries of one plan; the reconstruction
     record under "record"."""
+    from onnxdiag.commands.base import HeadChoice
     from onnxdiag.commands.channel_pruning import (
         Recovery,
         finetune_pruned,
         recalibrate_pruned,
         reconstruct_pruned,
     )
-    from onnxdiag.commands.base import HeadChoice
     from onnxdiag.model.finalize import finalize_model
     from onnxdiag.structured.plan import prune_planned
 
@@ -106,13 +107,34 @@ def _acc(model, evaluation) -> float:
 
 
 # -- cost -------------------------------------------------------------------------------------
-def cost(limit=None, rounds=3) -> None:
+def cost(sizes=(1000, 4000), rounds=5) -> None:
+    """The table of ``cost`` for calibration sets of each of ``sizes`` images (the sample's
+    calibration images, tiled)."""
+    print("\n### Cost on models/sample (50 % magnitude plan; interleaved, median of "
+          f"{rounds})\n")
+    print("| calibration images | dense pass s | reconstruction s | × dense pass |")
+    print("|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="bench-recon-") as tmp:
+        with np.load(SAMPLE / "calib.npz") as z:
+            x, y = z["input"], z["labels"]
+        for n in sizes:
+            reps = -(-n // len(x))
+            path = Path(tmp) / f"calib_{n}.npz"
+            np.savez(path, input=np.concatenate([x] * reps)[:n],
+                     labels=np.concatenate([y] * reps)[:n])
+            d, r, record = _cost_one(path, rounds)
+            print(f"| {n} | {d:.3f} | {r:.3f} | {r / d:.2f} |")
+            check(record["mean_error_after"] < record["mean_error_before"],
+                  "reconstruction lowers the mean consumer output error")
+
+
+def _cost_one(calib_path, rounds):
     from onnxdiag.runtime.runner import OrtRunner
     from onnxdiag.structured.choice import consumer_moments
     from onnxdiag.structured.reconstruct import prune_reconstructed
 
-    m, s, calib, _ = _setup(SAMPLE / "model.onnx", SAMPLE / "calib.npz", SAMPLE / "eval.npz",
-                            limit=limit, eval_limit=10)
+    m, s, calib, _ = _setup(SAMPLE / "model.onnx", calib_path, SAMPLE / "eval.npz",
+                            eval_limit=10)
     plan = _plan(m, s, "magnitude", 0.5, None)
     runner = OrtRunner(m)
     dense_t, recon_t = [], []
@@ -125,14 +147,7 @@ def cost(limit=None, rounds=3) -> None:
         moments = consumer_moments(m, s, calib)
         _, _, record = prune_reconstructed(m, s, plan.removed, moments)
         recon_t.append(time.perf_counter() - t0)
-    d, r = statistics.median(dense_t), statistics.median(recon_t)
-    n = sum(len(next(iter(b.feeds.values()))) for b in calib.batches())
-    print(f"\n### Cost on models/sample ({n} calibration images, 50 % magnitude plan)\n")
-    print("| step | median s | × dense pass |\n|---|---|---|")
-    print(f"| one dense pass over the calibration data | {d:.3f} | 1.00 |")
-    print(f"| reconstruction (moments pass + fit + fold + prune) | {r:.3f} | {r / d:.2f} |")
-    check(record.to_dict()["mean_error_after"] < record.to_dict()["mean_error_before"],
-          "reconstruction lowers the mean consumer output error")
+    return statistics.median(dense_t), statistics.median(recon_t), record.to_dict()
 
 
 # -- recovery ---------------------------------------------------------------------------------
@@ -243,14 +258,14 @@ def main(argv=None) -> int:
     ratios = [float(r) for r in args.ratios.split(",")]
     if args.smoke:
         sample = [(SAMPLE / "model.onnx", SAMPLE / "calib.npz", SAMPLE / "eval.npz")]
-        cost(limit=200, rounds=1)
+        cost(sizes=(200,), rounds=1)
         recovery(sample, [0.5], latency=True, limits=(200, 300))
         recovery(sample, [0.5], fold_bn=True, limits=(200, 300))
         choice(sample, [0.5], limits=(200, 300))
         return 0
     limits = (args.limit, args.eval_limit)
     if args.mode == "cost":
-        cost(limit=args.limit)
+        cost()
     elif args.mode == "recovery":
         recovery(_models(args.paths), ratios, args.fold_bn, args.finetune, args.latency,
                  limits)

@@ -102,20 +102,13 @@ def prune_channels_report(model, *, output, data=None, eval_data=None, train_dat
     train = open_request(train_data, specs) if recovery.finetune else None
     if options.plan is not None:  # the plan names its head (and features)
         the_plan, structure, head = _replay(m, options.plan)
-        notes = []
     else:
-        structure = find_structure(m, head, data or eval_data,
-                                   providers=runtime.providers)
+        structure = find_structure(m, head, data or eval_data, providers=runtime.providers)
     check_labels(structure, calib, evaluation, train)  # before the statistics pass
-    recovery, auto = recovery.resolve(m, calib is not None)
-    moments = None
-    if needs_moments(recovery, [] if options.plan is not None else [options.score]):
-        from ..structured.choice import consumer_moments
-
-        moments = consumer_moments(m, structure, calib, runtime.providers)
+    recovery, auto, moments = _consumer_inputs(m, structure, calib, options, recovery, runtime)
     if options.plan is None:
         the_plan, notes = _new_plan(m, structure, calib, options, head, runtime, moments)
-    notes = notes + ([auto] if auto else [])
+    notes = (notes if options.plan is None else []) + ([auto] if auto else [])
     pruned, p_struct, record, steps = _prune_and_recover(
         m, structure, the_plan, (calib, evaluation, train), recovery,
         (options.seed, head, runtime, moments))
@@ -139,6 +132,18 @@ def prune_channels_report(model, *, output, data=None, eval_data=None, train_dat
     text = render_header(meta) + render_prune(info)
     return finish(COMMAND, {"schema": SCHEMA_VERSION, "metadata": meta, "prune_channels": info},
                   text, folder, report.overwrite, csv=_widths_csv(info), csv_name="layers.csv")
+
+
+def _consumer_inputs(m, structure, calib, options, recovery: Recovery, runtime) -> tuple:
+    """(the Recovery with ``reconstruct`` decided, the note of auto's choice or None, the
+    dense consumers' input moments when the reconstruction or the score needs them)."""
+    recovery, auto = recovery.resolve(m, calib is not None)
+    moments = None
+    if needs_moments(recovery, [] if options.plan is not None else [options.score]):
+        from ..structured.choice import consumer_moments
+
+        moments = consumer_moments(m, structure, calib, runtime.providers)
+    return recovery, auto, moments
 
 
 def _save_plan(plan, path) -> None:

@@ -133,5 +133,8 @@ def consumer_moments(model, structure, calib, providers=None) -> dict:
     the consumer scores and the reconstruction; on a copy (see stat_scores)."""
     from .reconstruct import collect_input_moments, consumer_sites
 
+    if calib is None:
+        raise OnnxDiagError("The recon / wanda scores and the reconstruction need calibration "
+                            "data for the consumers' input statistics; pass --data FILE.")
     return collect_input_moments(_copy(model), consumer_sites(structure), calib,
                                  providers=providers)

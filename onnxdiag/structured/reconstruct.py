@@ -122,9 +122,10 @@ def removed_inputs(structure: Structure, removed: Mapping) -> dict[str, list[int
 
 
 # -- statistics -------------------------------------------------------------------------------
-#: Spatial positions sampled per image for a conv consumer's input (all when H·W is
-#: smaller); tokens of a MatMul / Gemm consumer are all taken.
-DEFAULT_POSITIONS = 64
+#: Spatial positions sampled per image for a conv consumer's input, as the statistics pass
+#: of docs/METHODS.md §B1 (all when H·W is smaller); every token of a MatMul / Gemm
+#: consumer's input is taken.
+DEFAULT_POSITIONS = 16
 
 
 def collect_input_moments(model: onnx.ModelProto, sites: Mapping[str, ConsumerSite], batches,
