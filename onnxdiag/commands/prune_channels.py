@@ -105,12 +105,12 @@ def prune_channels_report(model, *, output, data=None, eval_data=None, train_dat
     else:
         structure = find_structure(m, head, data or eval_data, providers=runtime.providers)
     check_labels(structure, calib, evaluation, train)  # before the statistics pass
-    recovery, auto, moments = _consumer_inputs(m, structure, calib, options, recovery, runtime)
+    resolved, auto, moments = _consumer_inputs(m, structure, calib, options, recovery, runtime)
     if options.plan is None:
         the_plan, notes = _new_plan(m, structure, calib, options, head, runtime, moments)
     notes = (notes if options.plan is None else []) + ([auto] if auto else [])
     pruned, p_struct, record, steps = _prune_and_recover(
-        m, structure, the_plan, (calib, evaluation, train), recovery,
+        m, structure, the_plan, (calib, evaluation, train), resolved,
         (options.seed, head, runtime, moments))
     feeds = dict(example_input(specs, evaluation or calib)[:8])
     emitted, e_struct, optimization = _optimize(pruned, (structure, p_struct), head,

@@ -142,11 +142,11 @@ def prune_sweep_report(model, *, eval_data, data=None, train_data=None,
     requests = (data, eval_data, train_data)
     calib, evaluation, train = sources = _open(get_input_specs(m), requests, recovery)
     check_labels(structure, *sources)
-    recovery, auto = recovery.resolve(m, calib is not None)
-    dense, dense_after = _dense(m, structure, sources, recovery, options.seed, head, runtime)
+    resolved, auto = recovery.resolve(m, calib is not None)  # metadata: what was asked
+    dense, dense_after = _dense(m, structure, sources, resolved, options.seed, head, runtime)
     rows, failed, notes, ran_on = _run(m, structure, requests, sources, options,
-                                       (ratios, scores, round_to), recovery, head, runtime)
-    section = summarize_sweep(rows, dense, scores, options.budget, recovery.steps, dense_after)
+                                       (ratios, scores, round_to), resolved, head, runtime)
+    section = summarize_sweep(rows, dense, scores, options.budget, resolved.steps, dense_after)
     section["notes"] = sorted(set(notes + ([auto] if auto else [])))
     section["failed"] = sorted(failed, key=lambda f: (scores.index(f["score"]), f["ratio"]))
     params = {**asdict(options), "ratios": ratios, "scores": scores,
