@@ -5,6 +5,7 @@
     python benchmarks/bench_reconstruct_channels.py recovery MODEL CALIB EVAL [MODEL ...]
         [--fold-bn] [--finetune TRAIN] [--ratios 0.25,0.5,0.75] [--latency]
     python benchmarks/bench_reconstruct_channels.py choice MODEL CALIB EVAL [MODEL ...]
+    python benchmarks/bench_reconstruct_channels.py latency MODEL CALIB EVAL [MODEL ...]
     python benchmarks/bench_reconstruct_channels.py --smoke
 
 ``cost``: on the bundled sample (models/sample; its calibration images tiled to 1,000 and
@@ -23,7 +24,10 @@ Conv+BN pairs folded first (a BN-folded export: BN recalibration then re-standar
 (repair-aware) choices, each unrepaired and reconstructed; several MODELs (training
 seeds) give mean ± sd per cell.
 
-``--smoke``: all three on tiny inputs (the sample, 200 calibration / 300 evaluation
+``latency``: the CPU speed-up at batch 1 and 32 (1 thread, 41 interleaved rounds) vs the
+FLOPs ratio of each magnitude plan.
+
+``--smoke``: all four on tiny inputs (the sample, 200 calibration / 300 evaluation
 images, one ratio). Consistency checks (every run): the reconstruction leaves a smaller
 mean consumer output error than no repair, and reconstructing nothing is the identity.
 """
@@ -196,6 +200,31 @@ def _speedup(m, pruned, evaluation) -> float:
     return compare_latency(m, pruned, {32: x}, threads=1)["speedup"]["32"]
 
 
+def latency(models, ratios, rounds=41) -> None:
+    """CPU speed-up (1 thread, interleaved, median of ``rounds``) vs the FLOPs ratio of the
+    magnitude plans (the reconstruction does not change the pruned graph's shape)."""
+    from onnxdiag.commands.base import example_input
+    from onnxdiag.model.finalize import finalize_model
+    from onnxdiag.model.io import get_input_specs
+    from onnxdiag.runtime.latency import compare_latency
+    from onnxdiag.structured.plan import prune_planned
+
+    print(f"\n### CPU speed-up vs FLOPs ratio (1 thread, median of {rounds} interleaved "
+          "rounds, IQR of the per-round ratios)\n")
+    print("| model | kept | FLOPs ratio | speed-up b=1 | speed-up b=32 |\n|---|---|---|---|---|")
+    for path, calib_path, eval_path in models:
+        m, s, _, evaluation = _setup(path, calib_path, eval_path, eval_limit=32)
+        x = example_input(get_input_specs(m), evaluation)
+        for ratio in ratios:
+            plan = _plan(m, s, "magnitude", ratio, None)
+            pruned = finalize_model(prune_planned(m, s, plan.removed)[0])
+            lat = compare_latency(m, pruned, {1: x[:1], 32: x}, rounds=rounds, threads=1)
+            cells = [f"{lat['speedup'][b]:.2f} ({lat['speedup_iqr'][b][0]:.2f}–"
+                     f"{lat['speedup_iqr'][b][1]:.2f})" for b in ("1", "32")]
+            print(f"| {_short(path)} | {1 - ratio:.2f} | "
+                  f"{plan.flops_after / plan.flops_before:.3f} | " + " | ".join(cells) + " |")
+
+
 # -- choice -----------------------------------------------------------------------------------
 def choice(models, ratios, limits=(None, None)) -> None:
     from onnxdiag.structured.choice import consumer_moments
@@ -245,7 +274,7 @@ def _models(items) -> list[tuple]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", nargs="?", choices=("cost", "recovery", "choice"))
+    parser.add_argument("mode", nargs="?", choices=("cost", "recovery", "choice", "latency"))
     parser.add_argument("paths", nargs="*")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--ratios", default="0.25,0.5,0.75")
@@ -262,6 +291,7 @@ def main(argv=None) -> int:
         recovery(sample, [0.5], latency=True, limits=(200, 300))
         recovery(sample, [0.5], fold_bn=True, limits=(200, 300))
         choice(sample, [0.5], limits=(200, 300))
+        latency(sample, [0.5], rounds=3)
         return 0
     limits = (args.limit, args.eval_limit)
     if args.mode == "cost":
@@ -271,6 +301,8 @@ def main(argv=None) -> int:
                  limits)
     elif args.mode == "choice":
         choice(_models(args.paths), ratios, limits)
+    elif args.mode == "latency":
+        latency(_models(args.paths), ratios)
     else:
         parser.print_help()
         return 2

@@ -219,3 +219,20 @@ def test_head_pruning_with_reconstruction_on_hf_bert(tmp_path):
     err_plain = np.abs(_run(plain, batches)["logits"] - dense).mean()
     err_recon = np.abs(_run(pruned, batches)["logits"] - dense).mean()
     assert err_recon < err_plain
+
+
+def test_too_wide_consumers_are_left_alone_with_a_note(monkeypatch):
+    import onnxdiag.structured.reconstruct as rc
+    from onnxdiag.structured import prune_channels
+
+    monkeypatch.setattr(rc, "MAX_FEATURES", 4)  # c2 reads 8 channels
+    model, batches = _two_convs(), _batches()
+    s = analyze_structure(model)
+    gid = _group_of(s, "c1")
+    moments = collect_input_moments(model, consumer_sites(s, [gid]), batches)
+    assert moments == {}
+    pruned, _, rec = prune_reconstructed(model, s, {gid: [7]}, moments)
+    assert rec.layers[0].skipped.startswith("input of 8 features is wider than 4")
+    assert any("not reconstructed: c2" in n for n in rec.notes)
+    plain, _ = prune_channels(model, s, {gid: [7]})
+    np.testing.assert_array_equal(_run(pruned, batches)["logits"], _run(plain, batches)["logits"])

@@ -35,6 +35,9 @@ from ..stats import Moments
 
 #: λ = DEFAULT_RIDGE · mean diag Σ_SS (docs/METHODS.md §E2, our default).
 DEFAULT_RIDGE = 0.01
+#: Widest consumer input reconstructed: its float64 covariance is MAX_FEATURES² · 8 bytes
+#: (128 MiB) and the greedy choice inverts it (a Flatten into a Gemm can be far wider).
+MAX_FEATURES = 4096
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,8 @@ def consumer_sites(structure: Structure, group_ids=None) -> dict[str, ConsumerSi
             layer = structure.get_layer(consumer.node_name)
             conv = layer.weight_layout == "oihw"
             skip = f"grouped conv (groups={layer.groups}) cannot mix channels" \
-                if layer.groups > 1 else None
+                if layer.groups > 1 else f"input of {layer.n_in} features is wider than " \
+                f"{MAX_FEATURES}" if layer.n_in > MAX_FEATURES else None
             out[layer.node_name] = ConsumerSite(layer.node_name, layer.input,
                                                 layer.weight_layout, layer.n_in,
                                                 1 if conv else -1, skip)
@@ -139,7 +143,7 @@ def collect_input_moments(model: onnx.ModelProto, sites: Mapping[str, ConsumerSi
     from ..model.expose import expose_channels_last, expose_tensors
     from ..runtime.runner import OrtRunner
 
-    tensors = {s.tensor: s for s in sites.values()}
+    tensors = {s.tensor: s for s in sites.values() if s.skip is None}
     if not tensors:
         return {}
     index = GraphIndex(model)
@@ -271,8 +275,8 @@ def reconstruct_model(model: onnx.ModelProto, structure: Structure, removed: Map
                      "over the taps, exact away from the zero-padded border only")
     skipped = [la.node_name for la in repairs if la.skipped]
     if skipped:
-        notes.append(f"not reconstructed (grouped / depthwise consumers cannot mix "
-                     f"channels): {', '.join(skipped[:5])}")
+        why = sorted({la.skipped for la in repairs if la.skipped})
+        notes.append(f"not reconstructed: {', '.join(skipped[:5])} ({'; '.join(why[:2])})")
     return editor.finish(), ReconstructionRecord(tuple(repairs), ridge, tuple(notes))
 
 
