@@ -49,7 +49,8 @@ from benchmarks.common import SAMPLE, check  # noqa: E402
 RECOVERIES = ("none", "bn", "recon", "recon+bn")
 
 
-def _setup(model_path, calib_path, eval_path, limit=None, eval_limit=None, fold_bn=False):
+def _setup(model_path, calib_path, eval_path, limit=None, eval_limit=None, fold_bn=False,
+           batch_size=64):
     from onnxdiag import DataRequest
     from onnxdiag.graph import analyze_structure
     from onnxdiag.model.io import get_input_specs, load_model
@@ -60,7 +61,7 @@ def _setup(model_path, calib_path, eval_path, limit=None, eval_limit=None, fold_
         m, _ = optimize_for_inference(m)
     s = analyze_structure(m)
     specs = get_input_specs(m)
-    calib = DataRequest(str(calib_path), limit=limit).open(specs)
+    calib = DataRequest(str(calib_path), limit=limit, batch_size=batch_size).open(specs)
     evaluation = DataRequest(str(eval_path), limit=eval_limit).open(specs)
     return m, s, calib, evaluation
 
@@ -114,7 +115,7 @@ def _acc(model, evaluation) -> float:
 def cost(sizes=(1000, 4000), rounds=5) -> None:
     """The table of ``cost`` for calibration sets of each of ``sizes`` images (the sample's
     calibration images, tiled)."""
-    print("\n### Cost on models/sample (50 % magnitude plan; interleaved, median of "
+    print("\n### Cost on models/sample (50 % magnitude plan, batch 256; interleaved, median of "
           f"{rounds})\n")
     print("| calibration images | dense pass s | reconstruction s | × dense pass |")
     print("|---|---|---|---|")
@@ -138,7 +139,7 @@ def _cost_one(calib_path, rounds):
     from onnxdiag.structured.reconstruct import prune_reconstructed
 
     m, s, calib, _ = _setup(SAMPLE / "model.onnx", calib_path, SAMPLE / "eval.npz",
-                            eval_limit=10)
+                            eval_limit=10, batch_size=256)
     plan = _plan(m, s, "magnitude", 0.5, None)
     runner = OrtRunner(m)
     dense_t, recon_t = [], []
