@@ -45,6 +45,7 @@ def test_reconstruction_is_the_default_without_batchnorm(vit_data, tmp_path):
     assert any("recovery auto: reconstruction on" in n for n in side["notes"])
     text = (tmp_path / "rep" / "report.txt").read_text()
     assert "after reconstruction" in text and "mlp.2/MatMul" in text
+    _valid(tmp_path / "rep" / "report.json")
     onnx.checker.check_model(onnx.load(out), full_check=True)
     # the emitted model is the library's reconstruction of the same plan
     from onnxdiag.model.io import load_model
@@ -111,3 +112,11 @@ def test_prune_sweep_compares_choices_under_reconstruction(vit_data, tmp_path):
     assert len({r["flops_ratio"] for r in rows}) == 1  # equal FLOPs
     assert all(r["recon_error_after"] < r["recon_error_before"] for r in rows)
     assert all(r["accuracy_after"] is not None for r in rows)
+    _valid(tmp_path / "sw" / "report.json")
+
+
+def _valid(path):
+    pytest.importorskip("jsonschema")
+    from onnxdiag.report.schema import validate_report
+
+    validate_report(json.loads(path.read_text()))
