@@ -113,6 +113,14 @@ def test_prune_sweep_compares_choices_under_reconstruction(vit_data, tmp_path):
     assert all(r["recon_error_after"] < r["recon_error_before"] for r in rows)
     assert all(r["accuracy_after"] is not None for r in rows)
     _valid(tmp_path / "sw" / "report.json")
+    # a cell is what prune-channels makes of the same score and ratio
+    one = run("prune-channels", VIT, "--ratio", 0.5, "--score", "recon", "--data", calib,
+              "--eval-data", evaluation, "-o", tmp_path / "r.onnx", "--out", tmp_path / "one")
+    assert one.exit_code == 0, one.output
+    side = json.loads((tmp_path / "r.onnx.json").read_text())
+    cell = next(r for r in rows if r["score"] == "recon")
+    assert cell["accuracy_after"] == pytest.approx(side["accuracy"]["emitted"]["accuracy"])
+    assert cell["recon_error_after"] == pytest.approx(side["reconstruction"]["mean_error_after"])
 
 
 def _valid(path):
