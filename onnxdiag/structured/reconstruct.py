@@ -141,7 +141,7 @@ def collect_input_moments(model: onnx.ModelProto, sites: Mapping[str, ConsumerSi
     per image (docs/METHODS.md §B1's draw; None: every position). Never modifies
     ``model``."""
     from ..model.expose import expose_channels_last, expose_tensors
-    from ..runtime.runner import OrtRunner
+    from ..runtime.runner import OrtRunner, single_threaded_blas
 
     tensors = {s.tensor: s for s in sites.values() if s.skip is None}
     if not tensors:
@@ -156,12 +156,13 @@ def collect_input_moments(model: onnx.ModelProto, sites: Mapping[str, ConsumerSi
     runner = OrtRunner(exposed, providers=providers)
     wanted = {t: names.get(t, t) for t in tensors}
     moments = {t: Moments(s.n_in) for t, s in tensors.items()}
-    for indices, out in _stream(runner, batches, list(wanted.values())):
-        for t, s in tensors.items():
-            x = out[wanted[t]]
-            rows = _sampled(x, positions, seed, indices) if t in convs else \
-                channel_rows(x, s.channels_axis)
-            moments[t].update(rows)
+    with single_threaded_blas():  # small products between ORT runs on the same cores
+        for indices, out in _stream(runner, batches, list(wanted.values())):
+            for t, s in tensors.items():
+                x = out[wanted[t]]
+                rows = _sampled(x, positions, seed, indices) if t in convs else \
+                    channel_rows(x, s.channels_axis)
+                moments[t].update(rows)
     return moments
 
 
