@@ -300,7 +300,9 @@ def _write_bias(editor: ModelEditor, layer, old, new: np.ndarray) -> None:
     if old is not None:
         node = editor.node(layer.bias_node) if layer.bias_node else editor.node(layer.node_name)
         slot = list(node.input).index(layer.bias)
-        editor.set_input(node.name, slot, new.reshape(np.shape(old)))
+        # a bias that broadcast one value (Gemm's C of shape (1,)) becomes per-channel
+        shape = np.shape(old) if np.size(old) == new.size else new.shape
+        editor.set_input(node.name, slot, new.reshape(shape))
         return
     if layer.op_type in ("Conv", "Gemm"):
         editor.set_input(layer.node_name, 2, new)
