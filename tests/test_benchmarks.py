@@ -32,6 +32,8 @@ SMOKES = {
     "bench_reconstruct.py": (None, ["| ls, positions all |", "FLOPs floor of the exact Grams"]),
     "bench_selection.py": (None, ["Targets: `labels`", "Targets: `expected`", "Baselines"]),
     "bench_channel_alignment.py": (None, ["| width |", "| ratio | --round-to |"]),
+    "bench_reconstruct_channels.py": (None, ["| calibration images |", "| none | bn | recon |",
+                                             "magnitude none | magnitude recon"]),
 }
 #: run by gpu_check.sh (test_gpu_check_runs_degraded_on_a_cpu_machine), not twice
 BY_GPU_CHECK = {"bench_gpu.py"}

@@ -39,6 +39,10 @@ def readout_options(f):
     ])
 
 
+#: The structured repairs that the unstructured REPAIR_CHOICES lack (bn and none are there).
+CHANNEL_REPAIR_CHOICES = ("reconstruct", "reconstruct+bn")
+
+
 def select_prune_options(f):
     """--prune / --prune-channels and their settings (docs/METHODS.md §A5)."""
     from .sparse import REPAIR_CHOICES, RULE_CHOICES, rr_options
@@ -49,9 +53,11 @@ def select_prune_options(f):
                           "`onnxdiag prune`) and rank for the pruned model."),
         click.option("--allocation", type=click.Choice(RULE_CHOICES), default="rr",
                      show_default=True, help="With --prune: how S is spread over layers."),
-        click.option("--repair", type=click.Choice(REPAIR_CHOICES), default=None,
+        click.option("--repair", type=click.Choice(REPAIR_CHOICES + CHANNEL_REPAIR_CHOICES),
+                     default=None,
                      help="Label-free repair: with --prune default cr+bn; with "
-                          "--prune-channels bn (BN recalibration, default) or none."),
+                          "--prune-channels bn (BN recalibration, default), reconstruct "
+                          "(docs/METHODS.md §E2), reconstruct+bn or none."),
         click.option("--prune-channels", "prune_channels", type=float, default=None,
                      metavar="R", help="Also remove this fraction of each channel group "
                                        "(as `onnxdiag prune-channels`) and rank."),

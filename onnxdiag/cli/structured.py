@@ -23,14 +23,15 @@ from .options import (
 
 #: = onnxdiag.structured.choice.SCORES / TARGETS / DEFAULT_ALPHA, DEFAULT_BETA
 SCORES = ("magnitude", "bn_scale", "random", "ix", "relevance", "two_axis", "peer",
-          "synergy", "redundancy")
+          "synergy", "redundancy", "recon", "wanda")
 TARGETS = ("auto", "labels", "pseudo")
 DEFAULT_ALPHA, DEFAULT_BETA = 1.0, 0.25
 #: = onnxdiag.structured.plan.BUDGETS; onnxdiag.commands.prune_sweep.DEFAULT_RATIOS
 BUDGETS = ("uniform", "reference", "global")
 DEFAULT_RATIOS = (0.1, 0.25, 0.5, 0.75)
 #: The keywords of onnxdiag.commands.channel_pruning.Recovery.
-RECOVERY = ("recalibrate_bn", "finetune", "epochs", "lr", "max_batches")
+RECOVERY = ("recalibrate_bn", "finetune", "epochs", "lr", "max_batches", "reconstruct",
+            "recon_ridge")
 ROLES = ("", "eval-", "train-")
 
 
@@ -55,13 +56,25 @@ def score_options(f):
 
 
 def recovery_options(f):
-    """--round-to and the recovery steps (--recalibrate-bn, --finetune and its schedule)."""
+    """--round-to and the recovery steps (--reconstruct, --recalibrate-bn, --finetune and
+    its schedule)."""
     return _stack(f, [
         click.option("--round-to", default=None, metavar="N|auto",
                      help="Keep a multiple of N channels in every narrowed group (kept "
                           "count rounded up): ONNX Runtime's blocked CPU convs run other "
                           "widths at the cost of the next multiple of 16 (AVX-512) / 8 "
                           "(AVX2) or slower; auto = this CPU's block."),
+        click.option("--reconstruct/--no-reconstruct", default=None,
+                     help="Label-free recovery on --data (docs/METHODS.md §E2): each "
+                          "consumer of the removed channels gets them regressed on its "
+                          "kept inputs (dense-model statistics, one pass) folded into its "
+                          "weights and bias. Default: on when the model has no "
+                          "BatchNormalization (BN folded, LayerNorm, none) and --data is "
+                          "given; the report says what ran. Runs before --recalibrate-bn."),
+        click.option("--recon-ridge", type=click.FloatRange(min=0), default=0.01,
+                     show_default=True,
+                     help="Ridge of the reconstruction (and of --score recon), as a "
+                          "fraction of the mean kept-input variance."),
         click.option("--recalibrate-bn", is_flag=True,
                      help="Label-free recovery on --data: every BatchNormalization's "
                           "running statistics re-estimated in the pruned model; convs "
@@ -118,7 +131,8 @@ def _records(kw: dict):
 @click.option("--ratio", type=click.FloatRange(0, 1, max_open=True), default=0.5,
               show_default=True, help="Fraction of each group's channels to remove, in (0, 1).")
 @click.option("--score", type=click.Choice(SCORES), default="two_axis", show_default=True,
-              help="Channel score (higher = keep); ix, relevance, two_axis and peer need --data.")
+              help="Channel score (higher = keep); ix, relevance, two_axis, peer, synergy, "
+                   "redundancy, recon (repair-aware greedy choice) and wanda need --data.")
 @click.option("--budget", type=click.Choice(BUDGETS), default="uniform", show_default=True,
               help="uniform: the ratio in every group (FLOPs-matched across scores); global: "
                    "one threshold over normalised scores, at most 90 % per group; reference: "

@@ -14,13 +14,18 @@ from ..errors import OnnxDiagError
 
 @dataclass(frozen=True)
 class Recovery:
-    """How a pruned model recovers, in this order (docs/METHODS.md §B6, "Recovery").
+    """How a pruned model recovers, in this order (docs/METHODS.md §B6 "Recovery", §E2).
 
-    ``recalibrate_bn``: label-free, every BatchNormalization's running statistics
-    re-estimated in the pruned model on the calibration data (convs without BN are
-    re-standardised to the dense statistics of the channels they keep). ``finetune``:
-    fine-tuning of the pruned ONNX graph on the training data (the [training] extra),
-    ``epochs`` of at most ``max_batches`` batches, Adam learning rate ``lr``.
+    ``reconstruct``: label-free, every consumer of the removed channels has them
+    regressed on its kept inputs from the dense model's statistics on the calibration
+    data and folded into its weights and bias (ridge ``recon_ridge`` · mean variance);
+    None = auto: on when the model has no BatchNormalization (folded, LayerNorm, none)
+    and calibration data is given, off otherwise (:meth:`resolve`). ``recalibrate_bn``:
+    label-free, every BatchNormalization's running statistics re-estimated in the pruned
+    model on the calibration data (convs without BN are re-standardised to the dense
+    statistics of the channels they keep). ``finetune``: fine-tuning of the pruned ONNX
+    graph on the training data (the [training] extra), ``epochs`` of at most
+    ``max_batches`` batches, Adam learning rate ``lr``.
     """
 
     recalibrate_bn: bool = False
@@ -28,13 +33,32 @@ class Recovery:
     epochs: int = 5
     lr: float = 1e-4
     max_batches: int = 200
+    reconstruct: bool | None = None
+    recon_ridge: float = 0.01
 
     @property
     def steps(self) -> str | None:
-        """"BN recalibration", "fine-tuning", both joined by " + ", or None."""
-        names = [name for name, on in (("BN recalibration", self.recalibrate_bn),
+        """"reconstruction", "BN recalibration", "fine-tuning" (those that run) joined by
+        " + ", or None."""
+        names = [name for name, on in (("reconstruction", self.reconstruct is True),
+                                       ("BN recalibration", self.recalibrate_bn),
                                        ("fine-tuning", self.finetune)) if on]
         return " + ".join(names) or None
+
+    def resolve(self, model, has_data: bool) -> tuple[Recovery, str | None]:
+        """(this record with ``reconstruct`` decided, a note saying what auto chose and
+        why, or None when it was given)."""
+        import dataclasses
+
+        if self.reconstruct is not None:
+            return self, None
+        has_bn = any(n.op_type == "BatchNormalization" for n in model.graph.node)
+        on = has_data and not has_bn
+        why = ("the model has BatchNormalization (use --recalibrate-bn, or --reconstruct)"
+               if has_bn else "no calibration data (--data)" if not has_data else
+               "the model has no BatchNormalization to recalibrate")
+        return dataclasses.replace(self, reconstruct=on), \
+            f"recovery auto: reconstruction {'on' if on else 'off'}: {why}"
 
     def check(self, data, train_data) -> None:
         """The inputs of the steps asked for, checked before any work (one-line user
@@ -42,6 +66,12 @@ class Recovery:
         if self.recalibrate_bn and data is None:
             raise OnnxDiagError("--recalibrate-bn needs calibration images for the new BN "
                                 "statistics; pass --data FILE (labels are not needed).")
+        if self.reconstruct and data is None:
+            raise OnnxDiagError("--reconstruct needs calibration data for the consumers' input "
+                                "statistics; pass --data FILE (labels are not needed).")
+        if not self.recon_ridge >= 0:
+            raise OnnxDiagError(f"--recon-ridge {self.recon_ridge!r} must be >= 0 (a fraction "
+                                "of the mean input variance), e.g. 0.01.")
         if self.finetune:
             if train_data is None:
                 raise OnnxDiagError("--finetune needs labelled training data; pass "
@@ -175,3 +205,24 @@ def _ratio_reason(prunable, budget: str, ratio) -> str | None:
                                          "channels in all")
     return (f"ratio {ratio:g} removes ⌊ratio·n⌋ = 0 channels ({what}); a ratio of at "
             f"least {1 / n:.3g} removes one")
+
+
+def reconstruct_pruned(dense, structure, removed, moments, recovery: Recovery, *,
+                       features: str | None = None) -> tuple:
+    """(the ``dense`` model pruned of ``removed`` with its consumers reconstructed
+    (docs/METHODS.md §E2), finalized; the ReconstructionRecord as a dict); ``moments``:
+    the dense model's consumer-input moments (structured.choice.consumer_moments)."""
+    from ..model.finalize import finalize_model
+    from ..structured.reconstruct import prune_reconstructed
+
+    pruned, _, record = prune_reconstructed(dense, structure, removed, moments,
+                                            ridge=recovery.recon_ridge, features=features)
+    return finalize_model(pruned), record.to_dict()
+
+
+def needs_moments(recovery: Recovery, scores) -> bool:
+    """Whether the consumers' input moments are needed: reconstruction, or a score in
+    ``scores`` computed from them."""
+    from ..structured.choice import CONSUMER_SCORES
+
+    return bool(recovery.reconstruct) or any(s in CONSUMER_SCORES for s in scores)

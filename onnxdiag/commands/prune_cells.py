@@ -8,7 +8,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import HeadChoice, safe_ratio
-from .channel_pruning import Recovery, finetune_pruned, pruned_structure, recalibrate_pruned
+from .channel_pruning import (
+    Recovery,
+    finetune_pruned,
+    pruned_structure,
+    recalibrate_pruned,
+    reconstruct_pruned,
+)
 
 _CELL_CACHE: dict = {}  # per worker process: the sweep's model, structure and data, once
 
@@ -21,7 +27,8 @@ class SweepCells:
     ``per_score``: {score: per-layer scores}; ``reference``: {ratio: reference Plan};
     ``head``: the source's head node and named features; ``evaluation`` / ``train`` /
     ``calib``: what :meth:`~onnxdiag.runtime.executor.Executor.ship` made of each data
-    role (None when the cells do not need it); ``threads``: ORT threads per session.
+    role (None when the cells do not need it); ``threads``: ORT threads per session;
+    ``moments``: the dense model's consumer-input moments (reconstruction), or None.
     """
 
     token: str
@@ -37,6 +44,7 @@ class SweepCells:
     evaluation: Any
     train: Any = None
     calib: Any = None
+    moments: Any = None
 
 
 def _cell_context(model_bytes: bytes, ctx: SweepCells) -> tuple:
@@ -83,13 +91,18 @@ def _sweep_cell(cell, model_bytes: bytes, ctx: SweepCells) -> dict:
            "params_ratio": safe_ratio(record.params_after, record.params_before),
            "accuracy_before": _accuracy(pruned, p_struct, evaluation, ctx),
            "accuracy_after": None}
+    if ctx.recovery.reconstruct and plan.n_removed:
+        pruned, rec = reconstruct_pruned(m, structure, plan.removed, ctx.moments, ctx.recovery,
+                                         features=ctx.head.features)
+        row["recon_error_before"] = rec["mean_error_before"]
+        row["recon_error_after"] = rec["mean_error_after"]
     if ctx.recovery.recalibrate_bn:
         cache = _CELL_CACHE.setdefault((ctx.token, "recalibration"), {})
         pruned = recalibrate_pruned(pruned, calib, ctx.providers, m, structure, plan.removed,
                                     threads=ctx.threads, cache=cache,
                                     features=ctx.head.features)[0]
-        if not ctx.recovery.finetune:
-            row["accuracy_after"] = _accuracy(pruned, p_struct, evaluation, ctx)
+    if ctx.recovery.steps is not None and not ctx.recovery.finetune:
+        row["accuracy_after"] = _accuracy(pruned, p_struct, evaluation, ctx)
     if ctx.recovery.finetune:
         head = HeadChoice(p_struct.head.node_name, ctx.head.features)
         _, ft = finetune_pruned(pruned, train, ctx.recovery, seed=ctx.seed, head=head,

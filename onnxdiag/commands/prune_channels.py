@@ -27,9 +27,11 @@ from .channel_pruning import (
     Recovery,
     check_labels,
     finetune_pruned,
+    needs_moments,
     open_request,
     pruned_structure,
     recalibrate_pruned,
+    reconstruct_pruned,
     removal_reason,
     resolve_round_to,
 )
@@ -102,14 +104,15 @@ def prune_channels_report(model, *, output, data=None, eval_data=None, train_dat
     if options.plan is not None:  # the plan names its head (and features)
         the_plan, structure, head, notes = replay_plan_file(m, options.plan)
     else:
-        structure = find_structure(m, head, data or eval_data,
-                                   providers=runtime.providers)
+        structure = find_structure(m, head, data or eval_data, providers=runtime.providers)
     check_labels(structure, calib, evaluation, train)  # before the statistics pass
+    resolved, auto, moments = _consumer_inputs(m, structure, calib, options, recovery, runtime)
     if options.plan is None:
-        the_plan, notes = new_plan(m, structure, calib, options, head, runtime)
+        the_plan, notes = new_plan(m, structure, calib, options, head, runtime, moments)
+    notes = notes + ([auto] if auto else [])
     pruned, p_struct, record, steps = prune_and_recover(
-        m, structure, the_plan, (calib, evaluation, train), recovery,
-        (options.seed, head, runtime))
+        m, structure, the_plan, (calib, evaluation, train), resolved,
+        (options.seed, head, runtime, moments))
     feeds = dict(example_input(specs, evaluation or calib)[:8])
     emitted, e_struct, optimization = _optimize(pruned, (structure, p_struct), head,
                                                 options.fold_bn, _check_feeds(specs, feeds))
@@ -130,6 +133,18 @@ def prune_channels_report(model, *, output, data=None, eval_data=None, train_dat
     text = render_header(meta) + render_prune(info)
     return finish(COMMAND, {"schema": SCHEMA_VERSION, "metadata": meta, "prune_channels": info},
                   text, folder, report.overwrite, csv=_widths_csv(info), csv_name="layers.csv")
+
+
+def _consumer_inputs(m, structure, calib, options, recovery: Recovery, runtime) -> tuple:
+    """(the Recovery with ``reconstruct`` decided, the note of auto's choice or None, the
+    dense consumers' input moments when the reconstruction or the score needs them)."""
+    recovery, auto = recovery.resolve(m, calib is not None)
+    moments = None
+    if needs_moments(recovery, [] if options.plan is not None else [options.score]):
+        from ..structured.choice import consumer_moments
+
+        moments = consumer_moments(m, structure, calib, runtime.providers)
+    return recovery, auto, moments
 
 
 def _save_plan(plan, path) -> None:
@@ -206,7 +221,7 @@ def replay_plan_file(m, path):
 
 
 def new_plan(m, structure, calib, options: ChannelPruneOptions, head: HeadChoice,
-              runtime: Runtime):
+             runtime: Runtime, moments=None):
     """(a new Plan of ``options``, notes); the statistics pass is skipped when nothing
     can be removed whatever the scores."""
     from ..structured import load_plan, plan_pruning, random_scores
@@ -222,7 +237,7 @@ def new_plan(m, structure, calib, options: ChannelPruneOptions, head: HeadChoice
             cs = stat_scores(m, structure, calib, targets=options.targets, seed=options.seed,
                              providers=runtime.providers, progress=runtime.progress)
         scores, notes = layer_scores(options.score, m, structure, cs, alpha=options.alpha,
-                                     beta=options.beta, seed=options.seed)
+                                     beta=options.beta, seed=options.seed, moments=moments)
     ref = None
     if options.budget == "reference":  # a fixed allocation: another plan's, or global magnitude
         ref = load_plan(options.reference) if options.reference is not None else plan_pruning(
@@ -253,14 +268,17 @@ def prune_and_recover(m, structure, plan, sources, recovery: Recovery, how):
     from ..structured.plan import prune_planned
 
     calib, evaluation, train = sources
-    seed, head, runtime = how
+    seed, head, runtime, moments = how
     pruned, record = prune_planned(m, structure, plan.removed)
     pruned = finalize_model(pruned)
     p_struct = pruned_structure(pruned, structure, head)
     p_head = p_struct.head
     steps = {"before_recovery": None if recovery.steps is None else _dict(evaluate(
         pruned, p_head, evaluation, providers=runtime.providers)), "recalibration": None,
-        "finetune": None}
+        "finetune": None, "reconstruction": None}
+    if recovery.reconstruct and plan.n_removed:
+        pruned, steps["reconstruction"] = reconstruct_pruned(
+            m, structure, plan.removed, moments, recovery, features=head.features)
     if recovery.recalibrate_bn:
         pruned, steps["recalibration"] = recalibrate_pruned(
             pruned, calib, runtime.providers, m, structure, plan.removed,
@@ -355,8 +373,8 @@ def _emit(pruned, output, model, section, protect, feeds) -> dict:
     from ..model.finalize import emit_model
 
     order = ("tool", "source", "emitted", "checks", "comparison", "latency_ms", "accuracy",
-             "notes", "nothing_removed", "plan", "record", "optimization", "recalibration",
-             "finetune", "flops_ratio", "params_ratio")
+             "notes", "nothing_removed", "plan", "record", "optimization", "reconstruction",
+             "recalibration", "finetune", "flops_ratio", "params_ratio")
 
     def complete(info):
         return {**{k: info.get(k) for k in order}, "file_size_ratio": safe_ratio(

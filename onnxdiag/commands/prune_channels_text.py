@@ -86,10 +86,12 @@ def _recovery_lines(info: dict) -> list[str]:
     lines = []
     before, after = info["accuracy"].get("before_recovery"), info["accuracy"].get("emitted")
     if before and after:
-        steps = " + ".join(name for name, on in (("BN recalibration", info.get("recalibration")),
+        steps = " + ".join(name for name, on in (("reconstruction", info.get("reconstruction")),
+                                                 ("BN recalibration", info.get("recalibration")),
                                                  ("fine-tuning", info.get("finetune"))) if on)
         lines.append(f"top-1 of the pruned model {100 * before['accuracy']:.2f} % before "
                      f"recovery, {100 * after['accuracy']:.2f} % after {steps}")
+    lines += reconstruction_lines(info.get("reconstruction"))
     rcl = info.get("recalibration")
     if rcl:
         lines.append(f"BN recalibration: {len(rcl['bns'])} BatchNormalization nodes"
@@ -98,3 +100,24 @@ def _recovery_lines(info: dict) -> list[str]:
                      + f" on {rcl['n_images']} calibration images"
                      + "".join(f"; {n}" for n in rcl.get("notes", [])))
     return lines
+
+
+def reconstruction_lines(rec: dict | None) -> list[str]:
+    """The reconstruction's per-layer output errors (relative to the dense output power)."""
+    if not rec:
+        return []
+    done = [la for la in rec["layers"] if la["skipped"] is None]
+    lines = [f"reconstruction (ridge {rec['ridge']:g}): {len(done)} consumer layers, mean "
+             f"relative output error {fmt_pct(rec['mean_error_before'])} unrepaired -> "
+             f"{fmt_pct(rec['mean_error_after'])} reconstructed"
+             + "".join(f"; {n}" for n in rec.get("notes", []))]
+    lines += [f"  {la['node_name']}: -{la['n_removed']} inputs, error "
+              f"{fmt_pct(la['error_before'])} -> {fmt_pct(la['error_after'])}"
+              for la in done[:12]]
+    if len(done) > 12:
+        lines.append(f"  … {len(done) - 12} more in the JSON report")
+    return lines
+
+
+def fmt_pct(value) -> str:
+    return "n/a" if value is None else f"{100 * value:.2f} %"

@@ -12,6 +12,7 @@ from ..errors import OnnxDiagError
 from ..report import SCHEMA_VERSION, build_metadata, render_table, rows_to_csv
 from ..report.text import fmt3
 from ..structured.choice import (
+    CONSUMER_SCORES,
     DEFAULT_ALPHA,
     DEFAULT_BETA,
     SCORES,
@@ -34,6 +35,7 @@ from .channel_pruning import (
     Recovery,
     check_labels,
     finetune_pruned,
+    needs_moments,
     open_request,
     recalibrate_pruned,
     removal_reason,
@@ -122,9 +124,10 @@ def prune_sweep_report(model, *, eval_data, data=None, train_data=None,
     ``failed`` (its row has ``error``), the others kept; its score gets no AUC. With
     ``recovery.finetune`` on Ray every node needs the [training] extra.
 
-    Recovery (the "after" curve): ``recovery.recalibrate_bn`` (on ``data``), then
+    Recovery (the "after" curve): ``recovery.reconstruct`` (on ``data``; auto: on
+    without BatchNormalization), then ``recovery.recalibrate_bn`` (on ``data``), then
     ``recovery.finetune`` (on ``train_data``); the dense model under the same recovery is
-    the after-curve's top and normaliser.
+    the after-curve's top and normaliser (reconstruction of nothing is the identity).
     """
     from ..model.io import get_input_specs, load_model, model_hash
 
@@ -139,11 +142,12 @@ def prune_sweep_report(model, *, eval_data, data=None, train_data=None,
     requests = (data, eval_data, train_data)
     calib, evaluation, train = sources = _open(get_input_specs(m), requests, recovery)
     check_labels(structure, *sources)
-    dense, dense_after = _dense(m, structure, sources, recovery, options.seed, head, runtime)
+    resolved, auto = recovery.resolve(m, calib is not None)  # metadata: what was asked
+    dense, dense_after = _dense(m, structure, sources, resolved, options.seed, head, runtime)
     rows, failed, notes, ran_on = _run(m, structure, requests, sources, options,
-                                       (ratios, scores, round_to), recovery, head, runtime)
-    section = summarize_sweep(rows, dense, scores, options.budget, recovery.steps, dense_after)
-    section["notes"] = sorted(set(notes))
+                                       (ratios, scores, round_to), resolved, head, runtime)
+    section = summarize_sweep(rows, dense, scores, options.budget, resolved.steps, dense_after)
+    section["notes"] = sorted(set(notes + ([auto] if auto else [])))
     section["failed"] = sorted(failed, key=lambda f: (scores.index(f["score"]), f["ratio"]))
     params = {**asdict(options), "ratios": ratios, "scores": scores,
               **_params(requests, recovery, head, runtime)}
@@ -166,8 +170,13 @@ def _run(m, structure, requests, sources, options, grid, recovery, head, runtime
     calib, evaluation, train = sources
     ratios, scores, round_to = grid
     with open_executor(runtime.executor, runtime.jobs, local_jobs=1) as ex:
+        moments = None
+        if needs_moments(recovery, scores):  # one pass, in this process
+            from ..structured.choice import consumer_moments
+
+            moments = consumer_moments(m, structure, calib, runtime.providers)
         per_score, reference, notes = _scores(m, structure, data, calib, ex, options, ratios,
-                                              scores, runtime)
+                                              scores, runtime, (moments, recovery.recon_ridge))
         ctx = SweepCells(
             token=uuid.uuid4().hex, per_score=per_score, reference=reference,
             budget=options.budget, seed=options.seed, providers=runtime.providers,
@@ -175,7 +184,8 @@ def _run(m, structure, requests, sources, options, grid, recovery, head, runtime
             round_to=round_to, threads=None if ex.in_process else 1,
             evaluation=ex.ship(eval_data, evaluation),
             train=None if train is None else ex.ship(train_data, train),
-            calib=ex.ship(data, calib) if recovery.recalibrate_bn else None)
+            calib=ex.ship(data, calib) if recovery.recalibrate_bn else None,
+            moments=moments if recovery.reconstruct else None)
         rows, failed = run_cells(ex, m, ctx, [(sc, r) for sc in scores for r in ratios],
                                  progress=runtime.progress)
         ran_on = ex.describe()
@@ -196,8 +206,9 @@ def _check_options(options: PruneSweepOptions, data, eval_data) -> tuple[list, l
                             f"{', '.join(SWEEP_BUDGETS)}.")
     if eval_data is None:
         raise OnnxDiagError("prune-sweep measures accuracy; pass labelled --eval-data FILE.")
-    if any(sc in STAT_SCORES for sc in scores) and data is None:
-        raise OnnxDiagError("Scores " + ", ".join(sc for sc in scores if sc in STAT_SCORES)
+    needy = STAT_SCORES + CONSUMER_SCORES
+    if any(sc in needy for sc in scores) and data is None:
+        raise OnnxDiagError("Scores " + ", ".join(sc for sc in scores if sc in needy)
                             + " need calibration data for the channel statistics; pass "
                             "--data FILE (or drop them from --scores).")
     return ratios, scores
@@ -248,7 +259,8 @@ def _dense(m, structure, sources, recovery: Recovery, seed, head, runtime) -> tu
                            providers=runtime.providers).accuracy
 
 
-def _scores(m, structure, data, calib, ex, options, ratios, scores, runtime) -> tuple:
+def _scores(m, structure, data, calib, ex, options, ratios, scores, runtime,
+            consumers=(None, None)) -> tuple:
     """({score: per-layer scores}, {ratio: reference plan}, notes): the statistics pass
     once per sweep (sharded on a multi-worker executor)."""
     from ..structured import plan_pruning
@@ -268,7 +280,8 @@ def _scores(m, structure, data, calib, ex, options, ratios, scores, runtime) -> 
     notes, per_score = [], {}
     for sc in scores:
         per_score[sc], extra = layer_scores(sc, m, structure, cs, alpha=options.alpha,
-                                            beta=options.beta, seed=options.seed)
+                                            beta=options.beta, seed=options.seed,
+                                            moments=consumers[0], ridge=consumers[1])
         notes += extra
     return per_score, reference, notes
 

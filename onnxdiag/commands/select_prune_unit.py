@@ -16,8 +16,9 @@ from ..errors import OnnxDiagError
 from .base import HeadChoice, Runtime
 from .pruning import PrunerOptions
 
-#: Channel repairs of the structured form: BN recalibration (label-free) or none.
-CHANNEL_REPAIRS = ("bn", "none")
+#: Channel repairs of the structured form (all label-free): BN recalibration, the
+#: reconstruction of docs/METHODS.md §E2, both (reconstruction first), or none.
+CHANNEL_REPAIRS = ("bn", "reconstruct", "reconstruct+bn", "none")
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,8 @@ class PruneSelectOptions:
     ``pruner`` as for ``onnxdiag prune``. Structured (``channels`` R, the fraction of each
     group's channels removed, or a ``plan`` JSON applied to every checkpoint of its
     architecture): ``score``, ``budget`` as for ``prune-channels``; ``repair`` bn
-    (default: BN recalibration) or none. ``seed``: the RR draw / ties. ``write_pruned``:
-    a folder where each pruned model is written (``<index>-<stem>.onnx`` + sidecar);
+    (default: BN recalibration), reconstruct, reconstruct+bn or none. ``seed``: the RR
+    draw / ties. ``write_pruned``: a folder where each pruned model is written (``<index>-<stem>.onnx`` + sidecar);
     ``overwrite`` replaces existing files there. ``rank_by``: the criterion of the headline
     choice and ranking (docs/METHODS.md §A5: ``agreement``, our default from study 5 of
     docs/STUDIES.md; ``combined``; ``dense:<readout>`` or ``pruned:<readout>``).
@@ -66,8 +67,8 @@ class PruneSelectOptions:
                                 "--prune-channels R / --plan FILE (channels), not both.")
         if self.structured:
             if self.repair not in (None, *CHANNEL_REPAIRS):
-                raise OnnxDiagError(f"Channel pruning repairs with {' or '.join(CHANNEL_REPAIRS)}"
-                                    f" (BN recalibration or none); got --repair {self.repair}.")
+                raise OnnxDiagError(f"Channel pruning repairs with {', '.join(CHANNEL_REPAIRS)}; "
+                                    f"got --repair {self.repair}.")
             if self.plan is None and not 0 < self.channels < 1:
                 raise OnnxDiagError(f"--prune-channels {self.channels:g} is not a fraction of "
                                     "channels in (0, 1); e.g. --prune-channels 0.3.")
@@ -166,7 +167,7 @@ def _channels(m, structure, sources, options: PruneSelectOptions, head, runtime)
     """``prune-channels``' steps on one checkpoint (new plan, or the given plan
     transferred): (pruned, its structure, facts, agreement record, feeds)."""
     from ..evaluate import compare_models, make_head_runner
-    from .channel_pruning import Recovery, check_labels
+    from .channel_pruning import Recovery, check_labels, needs_moments
     from .prune_channels import new_plan, prune_and_recover, replay_plan_file
 
     calib, evaluation = sources
@@ -175,17 +176,26 @@ def _channels(m, structure, sources, options: PruneSelectOptions, head, runtime)
         plan, structure, head, notes = replay_plan_file(m, options.plan)
     else:
         check_labels(structure, calib, evaluation)
-        plan, notes = new_plan(m, structure, calib, copts, head, runtime)
-    recovery = Recovery(recalibrate_bn=(options.repair or "bn") == "bn")
+    repair = options.repair or "bn"
+    recovery = Recovery(recalibrate_bn=repair.endswith("bn"),
+                        reconstruct=repair.startswith("reconstruct"))
+    moments = None
+    if needs_moments(recovery, [] if options.plan is not None else [copts.score]):
+        from ..structured.choice import consumer_moments
+
+        moments = consumer_moments(m, structure, calib, runtime.providers)
+    if options.plan is None:
+        plan, notes = new_plan(m, structure, calib, copts, head, runtime, moments)
     pruned, p_struct, record, _ = prune_and_recover(
-        m, structure, plan, (calib, evaluation, None), recovery, (options.seed, head, runtime))
+        m, structure, plan, (calib, evaluation, None), recovery,
+        (options.seed, head, runtime, moments))
     cmp = compare_models(make_head_runner(m, structure.head, providers=runtime.providers),
                          make_head_runner(pruned, p_struct.head, providers=runtime.providers),
                          calib, structure.head, max_batches=10**9)
     info = {"kind": "channels", "ratio": plan.ratio, "score": plan.score, "budget": plan.budget,
             "n_removed": plan.n_removed, "params_before": record.params_before,
             "params_after": p_struct.n_params, "flops_before": record.flops_before,
-            "flops_after": p_struct.flops, "repair": "bn" if recovery.recalibrate_bn else "none",
+            "flops_after": p_struct.flops, "repair": repair,
             "plan_model_sha256": plan.model_hash,
             "plan_topology_hash": (plan.settings or {}).get("topology_hash"), "notes": notes}
     agreement = {"top1_agreement": cmp["top1_agreement"], "n_images": cmp["n_samples"],

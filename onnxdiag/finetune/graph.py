@@ -72,7 +72,7 @@ def bn_as_affine(model: onnx.ModelProto) -> None:
     for node in model.graph.node:
         sources = [index.source_initializer(t) if t else None for t in node.input[1:5]]
         training = any(a.name == "training_mode" and a.i for a in node.attribute)
-        rank = ranks.get(node.input[0])
+        rank = ranks.get(node.input[0]) if node.input else None  # Constant: no inputs
         if (node.op_type != "BatchNormalization" or len(node.output) != 1 or training
                 or None in sources or len(sources) != 4 or rank is None or rank < 2):
             nodes.append(node)

@@ -1,7 +1,9 @@
 """Which channels to keep: the per-layer scores of every ``--score`` (higher = keep).
 
-Model-only scores (magnitude, bn_scale, random) and statistics-based ones (ix, relevance,
-two_axis, peer, synergy, redundancy) from one channel-statistics pass."""
+Model-only scores (magnitude, bn_scale, random), statistics-based ones (ix, relevance,
+two_axis, peer, synergy, redundancy) from one channel-statistics pass, and the
+consumer-input ones (recon: the repair-aware greedy choice, wanda: |W|·‖X‖;
+docs/METHODS.md §E3) from the consumers' input moments."""
 
 from __future__ import annotations
 
@@ -20,7 +22,11 @@ STAT_SCORES = ("ix", "relevance", "two_axis", "peer", "synergy", "redundancy")
 TARGETS = ("auto", "labels", "pseudo")
 
 
-SCORES = MODEL_SCORES + STAT_SCORES
+#: From the consumers' input moments (structured/reconstruct.collect_input_moments).
+CONSUMER_SCORES = ("recon", "wanda")
+
+
+SCORES = MODEL_SCORES + STAT_SCORES + CONSUMER_SCORES
 
 
 #: docs/METHODS.md §B6: two_axis = alpha·norm(I_X) − beta·norm(I(T;Y)); beta grid
@@ -55,13 +61,17 @@ def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def layer_scores(name: str, model, structure, channel_scores: dict | None, *,
-                 alpha=DEFAULT_ALPHA, beta=DEFAULT_BETA, seed=0) -> tuple[dict, list[str]]:
-    """{layer: (n_out,) scores} for score ``name``; layers without statistics fall back
-    to magnitude (listed in the returned notes)."""
+                 alpha=DEFAULT_ALPHA, beta=DEFAULT_BETA, seed=0, moments=None,
+                 ridge=None) -> tuple[dict, list[str]]:
+    """{layer: (n_out,) scores} for score ``name`` ({group id: (n,)} for the consumer
+    scores, on ``moments``); layers without statistics fall back to magnitude (listed
+    in the returned notes)."""
     from . import bn_scale_scores, magnitude_scores, random_scores
 
     if name not in SCORES:
         raise OnnxDiagError(f"Unknown channel score {name!r}; choose one of {', '.join(SCORES)}.")
+    if name in CONSUMER_SCORES:
+        return consumer_scores(name, model, structure, moments, ridge=ridge)
     if name == "magnitude":
         return magnitude_scores(model, structure), []
     if name == "bn_scale":
@@ -96,3 +106,35 @@ def stat_score(name: str, s: dict, *, alpha=DEFAULT_ALPHA, beta=DEFAULT_BETA) ->
     if name == "redundancy":  # target axis: keep the least redundant (low Red_T(i)), as peer
         return -s["redundancy"]
     return alpha * _norm(s["input_capture"]) - beta * _norm(s["task_info"])
+
+
+def consumer_scores(name: str, model, structure, moments, *, ridge=None):
+    """({group id: scores} of ``recon`` or ``wanda``, the magnitude of the groups they
+    cannot score; notes)."""
+    from . import magnitude_scores
+    from .recon_score import recon_scores, wanda_scores
+    from .reconstruct import DEFAULT_RIDGE
+
+    if moments is None:
+        raise OnnxDiagError(f"Score {name!r} needs calibration data for the consumers' input "
+                            "statistics; pass --data FILE.")
+    if name == "recon":
+        groups, missing = recon_scores(model, structure, moments,
+                                       ridge=DEFAULT_RIDGE if ridge is None else ridge)
+    else:
+        groups, missing = wanda_scores(model, structure, moments)
+    notes = [f"{name}: group(s) {', '.join(missing[:5])} have no consumer it can score "
+             "(grouped convs, none): scored by magnitude"] if missing else []
+    return {**magnitude_scores(model, structure), **groups}, notes
+
+
+def consumer_moments(model, structure, calib, providers=None) -> dict:
+    """The consumers' input moments of every prunable group on ``calib`` (one pass), for
+    the consumer scores and the reconstruction; on a copy (see stat_scores)."""
+    from .reconstruct import collect_input_moments, consumer_sites
+
+    if calib is None:
+        raise OnnxDiagError("The recon / wanda scores and the reconstruction need calibration "
+                            "data for the consumers' input statistics; pass --data FILE.")
+    return collect_input_moments(_copy(model), consumer_sites(structure), calib,
+                                 providers=providers)
