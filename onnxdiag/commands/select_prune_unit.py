@@ -30,7 +30,8 @@ class PruneSelectOptions:
     group's channels removed, or a ``plan`` JSON applied to every checkpoint of its
     architecture): ``score``, ``budget`` as for ``prune-channels``; ``repair`` bn
     (default: BN recalibration), reconstruct, reconstruct+bn or none. ``seed``: the RR
-    draw / ties. ``write_pruned``: a folder where each pruned model is written (``<index>-<stem>.onnx`` + sidecar);
+    draw / ties. ``write_pruned``: a folder where each pruned model is written
+    (``<index>-<stem>.onnx`` + sidecar);
     ``overwrite`` replaces existing files there. ``rank_by``: the criterion of the headline
     choice and ranking (docs/METHODS.md §A5: ``agreement``, our default from study 5 of
     docs/STUDIES.md; ``combined``; ``dense:<readout>`` or ``pruned:<readout>``).
