@@ -146,20 +146,25 @@ def test_select_prune_user_errors(tmp_path):
     assert_user_error(r, "not both")
     r = run("select", *CKPTS, *DATA, "--prune-channels", "0.3", "--repair", "cr+bn",
             "--out", tmp_path / "r")
-    assert_user_error(r, "BN recalibration or none")
+    assert_user_error(r, "reconstruct+bn or none; got --repair cr+bn")
 
 
-def test_channel_pruned_model_equals_prune_channels_alone(tmp_path):
-    """The structured form, on two worker processes: each checkpoint's pruned model is
-    what prune-channels --recalibrate-bn --no-fold-bn writes for it alone."""
-    r = run("select", *CKPTS, *DATA, "--prune-channels", "0.25", "--score", "magnitude",
-            "--jobs", "2", "--out", tmp_path / "rs")
+@pytest.mark.parametrize("repair, score, flags, jobs", [
+    (None, "magnitude", ["--recalibrate-bn"], "2"),
+    ("reconstruct+bn", "recon", ["--reconstruct", "--recalibrate-bn"], "1"),
+])
+def test_channel_pruned_model_equals_prune_channels_alone(tmp_path, repair, score, flags, jobs):
+    """The structured form (on two worker processes for the default repair): each
+    checkpoint's pruned model is what prune-channels --no-fold-bn writes for it alone with
+    the same recovery (BN recalibration; reconstruction + recalibration, repair-aware score)."""
+    r = run("select", *CKPTS, *DATA, "--prune-channels", "0.25", "--score", score,
+            *(["--repair", repair] if repair else []), "--jobs", jobs, "--out", tmp_path / "rs")
     assert r.exit_code == 0, r.output
     for unit in _report(tmp_path / "rs")["checkpoints"]:
+        assert unit["prune"]["repair"] == (repair or "bn")
         out = tmp_path / f"alone{unit['index']}.onnx"
         r = run("prune-channels", unit["path"], "-o", out, "--ratio", "0.25", "--score",
-                "magnitude", "--recalibrate-bn", "--no-fold-bn", *DATA,
-                "--out", tmp_path / f"r{unit['index']}")
+                score, *flags, "--no-fold-bn", *DATA, "--out", tmp_path / f"r{unit['index']}")
         assert r.exit_code == 0, r.output
         assert unit["pruned_sha256"] == model_hash(load_model(out))
         assert unit["prune"]["params_after"] < unit["prune"]["params_before"]

@@ -288,6 +288,8 @@ def prune_and_recover(m, structure, plan, sources, recovery: Recovery, how):
                                      head=HeadChoice(p_head.node_name, head.features),
                                      evaluation=evaluation)
         pruned, steps["finetune"] = finalize_model(pruned), ft.to_dict()
+    if steps["reconstruction"] or steps["finetune"]:  # the head's weights may have moved
+        p_struct = pruned_structure(pruned, structure, head)
     return pruned, p_struct, record, steps
 
 

@@ -68,8 +68,9 @@ class PruneSelectOptions:
                                 "--prune-channels R / --plan FILE (channels), not both.")
         if self.structured:
             if self.repair not in (None, *CHANNEL_REPAIRS):
-                raise OnnxDiagError(f"Channel pruning repairs with {', '.join(CHANNEL_REPAIRS)}; "
-                                    f"got --repair {self.repair}.")
+                raise OnnxDiagError(f"--prune-channels takes --repair bn (BN recalibration), "
+                                    f"reconstruct, reconstruct+bn or none; got --repair "
+                                    f"{self.repair}.")
             if self.plan is None and not 0 < self.channels < 1:
                 raise OnnxDiagError(f"--prune-channels {self.channels:g} is not a fraction of "
                                     "channels in (0, 1); e.g. --prune-channels 0.3.")
