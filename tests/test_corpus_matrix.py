@@ -76,15 +76,21 @@ def test_smoke_matrix_has_no_failing_cell(tmp_path):
 @pytest.mark.slow
 def test_full_matrix_has_no_failing_cell(tmp_path):
     tool = _tool()
-    text, cells = _run_matrix(tmp_path, "--jobs", "2", timeout=3000)
-    assert len(cells) == len(tool.VERBS) * 9
+    _, cells = _run_matrix(tmp_path, "--jobs", "2", timeout=3000)
+    assert len(cells) == (len(tool.VERBS) + len(tool.VARIANTS)) * 9
+
+
+def test_the_matrix_covers_every_verb_of_the_cli():
+    from onnxdiag.cli import COMMANDS
+
+    assert set(_tool().VERBS) == set(COMMANDS)
 
 
 def test_committed_corpus_table_has_every_cell_and_no_fail():
     tool = _tool()
     text = (ROOT / "docs" / "CORPUS.md").read_text()
     cells = _cells(text)
-    assert {v for _, v in cells} == set(tool.VERBS)
+    assert {v for _, v in cells} == set(tool.VERBS + tool.VARIANTS)
     assert not [k for k, v in cells.items() if v.startswith("FAIL")]
     assert re.search(r"\*\*\d+ ok, \d+ refused, 0 FAIL\.\*\*", text)
 
@@ -109,7 +115,7 @@ def test_classify_tells_refusals_from_failures(tmp_path):
                          [])[0] == "FAIL"
     assert tool.classify(1, "", "Traceback (most recent call last):\nerror: x\n", [])[0] == \
         "FAIL"
-    assert tool.classify(0, "Traceback (most recent call last):", "", []) [0] == "FAIL"
+    assert tool.classify(0, "Traceback (most recent call last):", "", [])[0] == "FAIL"
     status, reason = tool.classify(0, "done", "", [_bad_model(tmp_path / "bad.onnx")])
     assert status == "FAIL" and reason.startswith("emitted bad.onnx: ")
 

@@ -7,9 +7,11 @@ and a 3-checkpoint series per model (the export and two seeded perturbations of 
 weights), then runs each verb of ``onnxdiag --help`` on each model through the real command
 line, one fresh ``python -m onnxdiag`` process per cell, and classifies the cell:
 
-- ``ok``: exit 0, no "Traceback" on stdout/stderr, and every ``.onnx`` the command wrote
-  passes ``onnx.checker.check_model(full_check=True)`` and loads in ONNX Runtime;
-- ``refused``: exit 1, stderr exactly one non-empty line (``error: …``), no "Traceback";
+- ``ok``: exit 0, no "Traceback" on stdout/stderr, the model of prune / prune-channels
+  ``-o`` written, and every ``.onnx`` the command wrote passes
+  ``onnx.checker.check_model(full_check=True)`` and loads in ONNX Runtime;
+- ``refused``: exit 1, stderr exactly one non-empty line (``error: …``), no "Traceback",
+  no model written;
 - ``FAIL``: anything else (an internal error, a traceback, a bad emitted model, a timeout).
 
 Writes a Markdown table model x verb (docs/CORPUS.md by default) with each refusal's
@@ -38,8 +40,11 @@ sys.path.insert(0, str(ROOT / "tests"))  # the export builders live with the tes
 
 VERBS = ("inspect", "readouts", "analyze", "select", "channels", "lesion", "orthogonality",
          "rr", "prune", "sweep", "prune-channels", "prune-sweep")
+#: extra columns: a verb with options that take other code paths (added to its settings)
+VARIANTS = ("prune --sparse-initializers", "prune-channels --recalibrate-bn --no-fold-bn")
 SMOKE_MODELS = ("torch_resnet", "hf_gpt2", "tf_softmax_constants", "qdq_int8")
 SMOKE_VERBS = ("inspect", "readouts", "prune", "prune-channels")
+EMITS = {"prune": "pruned.onnx", "prune-channels": "narrow.onnx"}  # the -o of each verb
 N_SAMPLES = 24  # calibration and evaluation samples per model
 DATE, MACHINE = "2026-12-02", "2-core CPU (project machine)"
 
@@ -146,8 +151,14 @@ def build_model(name: str, work: Path) -> Model:
 
 
 # -- one cell -----------------------------------------------------------------------------------
-def command(verb: str, m: Model, out: Path) -> list[str]:
-    """The arguments of ``onnxdiag VERB`` on model ``m``, small settings, outputs in out."""
+def _slug(column: str) -> str:
+    return column.replace(" --", "+")
+
+
+def command(column: str, m: Model, out: Path) -> list[str]:
+    """The arguments of ``onnxdiag VERB [OPTIONS]`` (a column) on model ``m``, small
+    settings, outputs in ``out``."""
+    verb, *extra = column.split()
     data = ["--data", m.calib, "--limit", "16"]
     both = [*data, "--eval-data", m.eval]
     report = ["--out", out / "report"]
@@ -162,15 +173,15 @@ def command(verb: str, m: Model, out: Path) -> list[str]:
         "rr": [m.path, *data, "--grid", "0.5,0.9", "--band-sparsity", "0.5",
                "--rr-images", "8", *report],
         "prune": [m.path, "--sparsity", "0.5", *both, "--rr-images", "8",
-                  "-o", out / "pruned.onnx", *report],
+                  "-o", out / EMITS["prune"], *report],
         "sweep": [m.path, "--sparsity", "0.5", "--allocations", "global,rr",
                   "--repairs", "cr+bn,none", *both, "--rr-images", "8", *report],
-        "prune-channels": [m.path, "--ratio", "0.5", *both, "-o", out / "narrow.onnx",
+        "prune-channels": [m.path, "--ratio", "0.5", *both, "-o", out / EMITS["prune-channels"],
                            *report],
         "prune-sweep": [m.path, "--ratios", "0.5", "--scores", "magnitude,two_axis", *both,
                         *report],
     }[verb]
-    return [verb, *map(str, args)]
+    return [verb, *map(str, args), *extra]
 
 
 def check_emitted(paths: list[Path]) -> str:
@@ -193,16 +204,26 @@ def classify(rc: int, stdout: str, stderr: str, emitted: list[Path]) -> tuple[st
         return "FAIL", f"exit {rc}, traceback: {(lines or ['?'])[-1]}"
     if rc == 0:
         bad = check_emitted(emitted)
-        return ("FAIL", bad) if bad else ("ok", "")
+        return ("FAIL", bad) if bad else ("ok", _nothing_done(stdout))
     if rc == 1 and len(lines) == 1 and lines[0].startswith("error: "):
         return "refused", lines[0][len("error: "):]
     return "FAIL", f"exit {rc}: " + " | ".join(lines[-3:])
 
 
-def run_cell(m: Model, verb: str, work: Path, timeout: float) -> Cell:
-    out = work / m.name / f"out-{verb}"
+def _nothing_done(stdout: str) -> str:
+    """The note of a command that succeeded without changing anything (prune-channels when
+    no channel group can be pruned), shortened; '' otherwise."""
+    for line in stdout.splitlines():
+        if line.startswith("note: nothing removed"):
+            return line[len("note: "):].split(" (first")[0]
+    return ""
+
+
+def run_cell(m: Model, column: str, work: Path, timeout: float) -> Cell:
+    out = work / m.name / f"out-{_slug(column)}"
     out.mkdir(parents=True, exist_ok=True)
-    argv = command(verb, m, out)
+    argv = command(column, m, out)
+    verb = argv[0]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     start = time.perf_counter()
@@ -213,15 +234,21 @@ def run_cell(m: Model, verb: str, work: Path, timeout: float) -> Cell:
         (out / "stderr.txt").write_text(proc.stderr)
         status, reason = classify(proc.returncode, proc.stdout, proc.stderr,
                                   sorted(out.rglob("*.onnx")))
+        written = verb in EMITS and (out / EMITS[verb]).exists()
+        if status == "ok" and verb in EMITS and not written:
+            status, reason = "FAIL", f"exit 0 but {EMITS[verb]} was not written"
+        elif status == "refused" and written:
+            status, reason = "FAIL", f"refused but left {EMITS[verb]} behind: {reason}"
     except subprocess.TimeoutExpired:
         status, reason = "FAIL", f"timed out after {timeout:.0f} s"
-    return Cell(m.name, verb, status, reason, time.perf_counter() - start, argv)
+    return Cell(m.name, column, status, reason, time.perf_counter() - start, argv)
 
 
 # -- the table ----------------------------------------------------------------------------------
 def _template(cell: Cell, work: Path) -> str:
     """The cell's command with this run's paths replaced by placeholders."""
-    text = " ".join(cell.argv).replace(str(work / cell.model / f"out-{cell.verb}"), "OUT")
+    text = " ".join(cell.argv).replace(str(work / cell.model / f"out-{_slug(cell.verb)}"),
+                                       "OUT")
     text = text.replace(str(work / cell.model), "MODEL_DIR")
     return "onnxdiag " + text.replace(cell.model, "MODEL")
 
@@ -236,7 +263,7 @@ def markdown(cells: list[Cell], models: list[str], verbs: list[str], work: Path,
         marks = []
         for verb in verbs:
             c = grid[name, verb]
-            if c.status == "ok":
+            if c.status == "ok" and not c.reason:
                 marks.append("ok")
             else:
                 note = reasons.setdefault(c.reason, len(reasons) + 1)
@@ -246,16 +273,19 @@ def markdown(cells: list[Cell], models: list[str], verbs: list[str], work: Path,
     example = {c.verb: c for c in cells}
     parts = [
         "# Corpus matrix: every verb on every real converter export", "",
-        "Every command either works (exit 0; every model it writes passes "
-        "`onnx.checker.check_model(full_check=True)` and loads in ONNX Runtime) or refuses "
-        "with one line (exit 1, one `error: …` line on stderr, no traceback). FAIL is "
-        "anything else. The models are the converter exports of `tests/exports.py` with "
+        "Every command either works (exit 0; the model asked for with `-o` is written, and "
+        "every model it writes passes `onnx.checker.check_model(full_check=True)` and loads "
+        "in ONNX Runtime) or refuses with one line (exit 1, one `error: …` line on stderr, "
+        "no traceback, no model left behind). FAIL is anything else. The models are the "
+        "converter exports of `tests/exports.py` with "
         f"random weights; data: {N_SAMPLES} random samples shaped like each model's input, "
         "labels uniform in [0, C); checkpoint series: the export and two perturbed copies.",
         "", f"Generated by `{invocation}` on {DATE}, {MACHINE}, in {seconds:.0f} s "
         f"({len(cells)} cells, one fresh process each).", "",
         f"**{counts['ok']} ok, {counts['refused']} refused, {counts['FAIL']} FAIL.**", "",
         *rows, "", "## Reasons", "",
+        "Why a cell refused (or, for an `ok (n)`, what it did not do); the text is the "
+        "command's own one-line message.", "",
         *[f"{n}. {text}" for text, n in reasons.items()], "",
         "## Commands", "",
         "MODEL is the export, MODEL_DIR its folder (calib.npz, eval.npz, checkpoints/), "
@@ -270,7 +300,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="a few models x a few verbs")
     p.add_argument("--models", help="comma-separated export names (default: all)")
-    p.add_argument("--verbs", help="comma-separated verbs (default: all)")
+    p.add_argument("--verbs", help="comma-separated columns: verbs, or a verb and options "
+                   "(default: every verb and VARIANTS)")
     p.add_argument("--doc", default=str(ROOT / "docs" / "CORPUS.md"),
                    help="Markdown table to write (default docs/CORPUS.md)")
     p.add_argument("--work", help="folder for the exports and outputs (default: a temp dir)")
@@ -285,7 +316,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     models = (args.models.split(",") if args.models else
               list(SMOKE_MODELS if args.smoke else exports.BUILDERS))
-    verbs = args.verbs.split(",") if args.verbs else list(SMOKE_VERBS if args.smoke else VERBS)
+    verbs = args.verbs.split(",") if args.verbs else list(
+        SMOKE_VERBS if args.smoke else VERBS + VARIANTS)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="onnxdiag-corpus-") as tmp:
         work = Path(args.work or tmp).resolve()
@@ -294,7 +326,7 @@ def main(argv=None) -> int:
         cells = []
         with ThreadPoolExecutor(max(1, args.jobs)) as pool:
             for c in pool.map(lambda mv: run_cell(*mv, work, args.timeout), jobs):
-                print(f"{c.model:22s} {c.verb:15s} {c.status:8s} {c.seconds:6.1f}s  {c.reason}",
+                print(f"{c.model:22s} {c.verb:45s} {c.status:8s} {c.seconds:6.1f}s  {c.reason}",
                       flush=True)
                 cells.append(c)
         invocation = "python tools/export_corpus.py" + (" --smoke" if args.smoke else "")
