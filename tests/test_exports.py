@@ -123,15 +123,19 @@ def test_prune_channels_on_a_zipmap_export_emits_a_checked_model(folder, tmp_pat
     assert "ZipMap" in {n.op_type for n in load_model(out).graph.node}
 
 
-@pytest.mark.parametrize("verb", ["rr", "sweep"])
+@pytest.mark.parametrize("verb", ["rr", "sweep", "prune"])
 def test_rr_verbs_on_an_int8_qdq_export_refuse_in_one_line(verb, folder, tmp_path):
     """An int8 QDQ model's weights come out of DequantizeLinear: nothing to prune. rr and
-    sweep refuse before their progress line, so the error is stderr's only line."""
+    sweep refuse before their progress line, so the error is stderr's only line; it names
+    the first layer's obstacle and the fix."""
     from cli_helpers import assert_user_error, run
 
     export = exports.qdq_int8(folder)
     data = tmp_path / "x.npz"
     np.savez(data, **export.feeds, labels=np.arange(4) % 5)
-    extra = ["--sparsity", "0.5"] if verb == "sweep" else []
+    extra = {"rr": [], "sweep": ["--sparsity", "0.5"],
+             "prune": ["--sparsity", "0.5", "-o", tmp_path / "p.onnx"]}[verb]
     result = run(verb, export.path, "--data", data, *extra, "--out", tmp_path / "r")
-    assert_user_error(result, "no prunable layer", out=tmp_path / "r")
+    assert_user_error(result, "no prunable layer", tmp_path / "p.onnx", out=tmp_path / "r")
+    assert "'/stem/stem.0/Conv': weight is computed (by DequantizeLinear" in result.stderr
+    assert "Prune the float model, then quantize it." in result.stderr
