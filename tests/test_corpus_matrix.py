@@ -135,3 +135,33 @@ def test_a_real_refusal_through_the_cli_is_one_line(tmp_path):
     status, reason = tool.classify(proc.returncode, proc.stdout, proc.stderr, [])
     assert status == "refused", (proc.returncode, proc.stderr)
     assert "x" in reason
+
+
+def test_a_sparse_stored_model_is_checked_through_its_densified_copy(tmp_path):
+    """prune --sparse-initializers: the full checker rejects the file (ONNX shape inference
+    types a sparse initializer as sparse_tensor), so the corpus checks it structurally and
+    its densified copy fully; that copy holds exactly the dense-stored run's weights."""
+    from cli_helpers import run
+    from corpus import conv_bn_folded
+
+    tool = _tool()
+    model = tmp_path / "m.onnx"
+    onnx.save(conv_bn_folded(), model)
+    np.savez(tmp_path / "d.npz",
+             x=np.random.default_rng(0).standard_normal((16, 3, 8, 8)).astype(np.float32))
+    paths = {}
+    for kind, extra in (("dense", []), ("sparse", ["--sparse-initializers"])):
+        paths[kind] = tmp_path / f"{kind}.onnx"
+        result = run("prune", model, "--sparsity", 0.9, "--allocation", "uniform",
+                     "--data", tmp_path / "d.npz", "-o", paths[kind], "--out",
+                     tmp_path / f"r-{kind}", *extra)
+        assert result.exit_code == 0, result.output
+    sparse = onnx.load(paths["sparse"])
+    assert sparse.graph.sparse_initializer
+    with pytest.raises(onnx.shape_inference.InferenceError):
+        onnx.checker.check_model(sparse, full_check=True)
+    assert tool.check_emitted([paths["sparse"], paths["dense"]]) == ""
+    weights = {t.name: numpy_helper.to_array(t)
+               for t in tool._densified(sparse).graph.initializer}
+    for t in onnx.load(paths["dense"]).graph.initializer:
+        np.testing.assert_array_equal(weights[t.name], numpy_helper.to_array(t))
