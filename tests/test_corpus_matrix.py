@@ -2,8 +2,8 @@
 or refuses with one line — no traceback, no internal error, every emitted model checked.
 
 By default a representative subset runs (``--smoke``: a torch.onnx CNN, an HF GPT-2
-classifier, a tf-style graph with Constant weights and an int8 QDQ model × inspect,
-readouts, prune, prune-channels), each cell a fresh ``python -m onnxdiag`` process; the
+classifier and an int8 QDQ model × inspect, prune, prune-channels), each cell a fresh
+``python -m onnxdiag`` process; the
 full matrix (every export × every verb, docs/CORPUS.md) is ``-m slow``. The classifier
 itself is checked on real outcomes: a one-line refusal, a traceback, a two-line stderr,
 an emitted model the checker rejects.
