@@ -101,3 +101,41 @@ def test_prune_on_a_zipmap_export_emits_a_checked_model(folder, tmp_path):
     assert result.exit_code == 0, result.output
     checks = json.loads(out.with_name("p.onnx.json").read_text())["checks"]
     assert checks["onnxruntime_load"] == "passed" and checks["max_abs_output_diff"] == 0.0
+
+
+def test_prune_channels_on_a_zipmap_export_emits_a_checked_model(folder, tmp_path):
+    """prune-channels' inference optimisation compares the pruned and optimised models'
+    outputs; skl2onnx's ZipMap output (a sequence of maps) is compared key by key."""
+    import json
+
+    from cli_helpers import run
+
+    export = exports.sklearn_mlp(folder)
+    n = len(next(iter(export.feeds.values())))
+    data = tmp_path / "digits.npz"
+    np.savez(data, **export.feeds, labels=np.arange(n) % 10)
+    out = tmp_path / "n.onnx"
+    result = run("prune-channels", export.path, "--ratio", "0.5", "--score", "magnitude",
+                 "--eval-data", data, "-o", out, "--out", tmp_path / "r")
+    assert result.exit_code == 0, result.output
+    sidecar = json.loads(out.with_name("n.onnx.json").read_text())
+    assert sidecar["checks"]["onnxruntime_load"] == "passed"
+    assert "ZipMap" in {n.op_type for n in load_model(out).graph.node}
+
+
+@pytest.mark.parametrize("verb", ["rr", "sweep", "prune"])
+def test_rr_verbs_on_an_int8_qdq_export_refuse_in_one_line(verb, folder, tmp_path):
+    """An int8 QDQ model's weights come out of DequantizeLinear: nothing to prune. rr and
+    sweep refuse before their progress line, so the error is stderr's only line; it names
+    the first layer's obstacle and the fix."""
+    from cli_helpers import assert_user_error, run
+
+    export = exports.qdq_int8(folder)
+    data = tmp_path / "x.npz"
+    np.savez(data, **export.feeds, labels=np.arange(4) % 5)
+    extra = {"rr": [], "sweep": ["--sparsity", "0.5"],
+             "prune": ["--sparsity", "0.5", "-o", tmp_path / "p.onnx"]}[verb]
+    result = run(verb, export.path, "--data", data, *extra, "--out", tmp_path / "r")
+    assert_user_error(result, "no prunable layer", tmp_path / "p.onnx", out=tmp_path / "r")
+    assert "'/stem/stem.0/Conv': weight is computed (by DequantizeLinear" in result.stderr
+    assert "Prune the float model, then quantize it." in result.stderr

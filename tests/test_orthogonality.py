@@ -138,3 +138,29 @@ def test_channels_reports_the_depth_table(tmp_path):
     assert {"r2_single", "triplet_synergy"} <= set(header)
     assert "higher-order structure by depth" in (tmp_path / "rep" / "report.txt").read_text()
     _validate(report)
+
+
+def test_input_moments_of_a_gemm_on_token_rows_of_hf_gpt2(tmp_path):
+    """GPT-2's Conv1D is exported as a Gemm on N·T rows (a 2-D input): its rows are the
+    inputs' tokens, T per input. With every token taken (n_positions ≥ T) the moments are
+    the plain covariance of all N·T rows (numpy.cov), from N inputs."""
+    import exports
+
+    from onnxdiag.graph import GraphIndex
+    from onnxdiag.graph.verify import run_exposed
+    from onnxdiag.model.io import load_model
+
+    export = exports.hf_gpt2(tmp_path)
+    model = load_model(export.path)
+    n, t = export.feeds["input_ids"].shape
+    np.savez(tmp_path / "d.npz", **export.feeds, labels=np.arange(n) % 3)
+    structure = analyze_structure(model)
+    source = DataRequest(str(tmp_path / "d.npz")).open(get_input_specs(model))
+    gemm = next(la for la in find_input_layers(model, structure) if la.op_type == "Gemm")
+    name = GraphIndex(model).get_node(gemm.name).input[0]
+    x = run_exposed(model, export.feeds, [name])[name].astype(np.float64)
+    assert x.shape == (n * t, gemm.W.shape[1])  # N·T rows, not N
+    m = collect_input_moments(model, structure, source, [gemm], targets="labels",
+                              n_positions=4 * t)[gemm.name]
+    assert (m.n_rows, m.n_images) == (n * t, n)
+    np.testing.assert_allclose(m.cov_x, np.cov(x.T), rtol=1e-6, atol=1e-9)

@@ -59,6 +59,9 @@ def test_flagged_and_nan_are_never_selected():
     assert select_checkpoint([1.0, math.nan, 3.0], "higher", window="all") == 2
     with pytest.raises(OnnxDiagError, match="--window all"):
         select_checkpoint([1.0, 2.0, 3.0], "lower", window=2, flagged=[1, 2])
+    with pytest.raises(OnnxDiagError, match="Every checkpoint is: select needs trained") as err:
+        select_checkpoint([1.0, 2.0], "lower", window="all", flagged=[0, 1])
+    assert "--window all" not in str(err.value)  # the window holds every checkpoint already
     with pytest.raises(DataError, match="flagged"):
         select_checkpoint([1.0, 2.0], "lower", flagged=[5])
 

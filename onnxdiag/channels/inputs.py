@@ -25,6 +25,7 @@ from ..runtime.runner import OrtRunner, single_threaded_blas
 from ..sparsity.offline import layer_op, sampled_columns
 from ..stats import Moments, draw_positions
 from .moments import target_margin
+from .taps import token_rows
 
 MIN_CHANNELS = 4
 
@@ -104,9 +105,9 @@ def patch_rows(layer: InputLayer, x: np.ndarray, indices, n_positions: int, seed
         cols = sampled_columns(layer.op, x, layer.kernel, n_positions, seed=seed,
                                sample_indices=indices)
         return cols[:, 0, :], cols.shape[0] // x.shape[0]
-    if x.ndim == 2:
+    if x.ndim == 2 and x.shape[0] == len(indices):
         return x, 1
-    tokens = x.reshape(x.shape[0], -1, x.shape[-1])
+    tokens = token_rows(x, len(indices), "input")  # (N, T, D), also from N·T rows (GPT-2)
     pick = draw_positions(tokens.shape[1], n_positions, seed=seed, sample_indices=indices)
     rows = tokens[np.arange(tokens.shape[0])[:, None], pick]
     return rows.reshape(-1, x.shape[-1]), pick.shape[1]

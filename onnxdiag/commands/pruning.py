@@ -152,8 +152,11 @@ def compute_curves(inputs: Inputs, options: PrunerOptions, *, seed=0, grid=None,
     """RR curves on the first ``rr_images`` calibration images, each conv's moments over
     ``rr_positions`` seeded output positions per image (docs/METHODS.md §C2)."""
     from ..sparsity import DEFAULT_GRID, compute_rr_curves
+    from ..sparsity.budget import no_prunable_message
     from ..sparsity.repairability import parse_positions
 
+    if not inputs.layers:  # refused before any progress line: the error is the only one
+        raise OnnxDiagError(no_prunable_message(inputs.structure.layers))
     grid = DEFAULT_GRID if grid is None else grid
     positions = parse_positions(options.rr_positions)
     where = "every position" if positions is None else f"{positions} positions per image"

@@ -68,18 +68,18 @@ def reload_check(model: onnx.ModelProto, feeds: dict | None = None) -> dict:
     diff = None
     if feeds is not None:
         a, b = OrtRunner(model, providers="cpu").run(feeds), reloaded.run(feeds)
-        diff = max((_output_diff(a[k], b[k]) for k in a), default=0.0)
+        diff = max((output_diff(a[k], b[k]) for k in a), default=0.0)
     return {"full_checker" if full else "structural_checker": "passed",
             "onnxruntime_load": "passed", "max_abs_output_diff": diff}
 
 
-def _output_diff(a, b) -> float:
+def output_diff(a, b) -> float:
     """Max |a − b| of two outputs: tensors elementwise; a sequence of maps (a ZipMap's
     probabilities) key by key."""
     if isinstance(a, list):
         if len(a) != len(b):
             return float("inf")
-        return max((_output_diff(x, y) for x, y in zip(a, b)), default=0.0)
+        return max((output_diff(x, y) for x, y in zip(a, b)), default=0.0)
     if isinstance(a, dict):
         if a.keys() != b.keys():
             return float("inf")

@@ -247,17 +247,24 @@ def check_equivalent(before: onnx.ModelProto, after: onnx.ModelProto, feeds: dic
     ``before``). Raises EditError beyond ``rtol``: an optimisation that changes outputs by
     more than float rounding is a bug."""
     from ..runtime.runner import OrtRunner
-    from .finalize import EditError
+    from .finalize import EditError, output_diff
 
     a, b = OrtRunner(before, providers="cpu").run(feeds), OrtRunner(after, providers="cpu").run(
         feeds)
-    diff = max(float(np.max(np.abs(np.asarray(a[k], np.float64) - b[k]), initial=0.0))
-               for k in a)
-    scale = max(float(np.max(np.abs(np.asarray(v, np.float64)), initial=0.0))
-                for v in a.values())
+    diff = max((output_diff(a[k], b[k]) for k in a), default=0.0)
+    scale = max((_magnitude(v) for v in a.values()), default=0.0)
     rel = diff / max(scale, 1e-30)
     if not rel <= rtol:
         raise EditError(f"the optimised model's outputs differ from the unoptimised one's by "
                         f"{diff:.3g} ({rel:.3g} relative); emit it without the optimisation "
                         "(--no-fold-bn) and please report the model")
     return {"max_abs_output_diff": diff, "max_rel_output_diff": rel}
+
+
+def _magnitude(value) -> float:
+    """Largest |entry| of an output: a tensor, or a sequence of maps (ZipMap)."""
+    if isinstance(value, list):
+        return max((_magnitude(v) for v in value), default=0.0)
+    if isinstance(value, dict):
+        return max((abs(float(v)) for v in value.values()), default=0.0)
+    return float(np.max(np.abs(np.asarray(value, np.float64)), initial=0.0))

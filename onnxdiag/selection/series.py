@@ -112,8 +112,11 @@ def select_checkpoint(values: Sequence[float], direction: str, *,
     idx = window_indices(v.size, window)
     best = _best(sign * v, idx[~_flag_mask(flagged, v.size)[idx]])
     if best is None:
+        fix = ("Widen the window (--window all)." if idx.size < v.size else
+               "Every checkpoint is: select needs trained ones (`onnxdiag readouts CKPT` "
+               "shows why one is flagged, e.g. untrained or collapsed).")
         raise OnnxDiagError(f"No checkpoint to select among the last {idx.size}: all are flagged "
-                            "degenerate or not finite. Widen the window (--window all).")
+                            f"degenerate or not finite. {fix}")
     return best
 
 

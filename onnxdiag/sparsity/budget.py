@@ -183,7 +183,7 @@ def plan_model_budget(S: float, layers, supported, keep_dense=()) -> ModelBudget
             kept dense hold.
     """
     if not supported:
-        raise OnnxDiagError(NO_PRUNABLE)
+        raise OnnxDiagError(no_prunable_message(layers))
     names = {la.node_name for la in supported}
     size = {la.node_name: int(np.prod(la.weight_shape)) for la in layers}
     others = tuple({"layer": la.node_name, "op_type": la.op_type,
@@ -205,6 +205,17 @@ def plan_model_budget(S: float, layers, supported, keep_dense=()) -> ModelBudget
 #: The refusal when a model has no layer the pruner edits.
 NO_PRUNABLE = ("The model has no prunable layer (a Conv, Gemm or MatMul with a constant "
                "weight); `onnxdiag inspect MODEL` shows its layers.")
+
+
+def no_prunable_message(layers) -> str:
+    """:data:`NO_PRUNABLE`, with why the first weighted layer is not prunable and, when its
+    weight is dequantized (a QDQ model), the fix: prune the float model, then quantize."""
+    if not layers:
+        return NO_PRUNABLE
+    why = _why_unsupported(layers[0])
+    fix = (" Prune the float model, then quantize it." if "DequantizeLinear" in why else "")
+    head, tail = NO_PRUNABLE.split("; ", 1)
+    return f"{head}: {layers[0].node_name!r}: {why}.{fix} {tail[0].upper()}{tail[1:]}"
 
 
 def _why_unsupported(layer) -> str:

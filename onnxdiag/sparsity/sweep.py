@@ -20,7 +20,7 @@ from ..errors import DataError, OnnxDiagError
 from ..model.expose import expose_tensors
 from ..runtime.runner import OrtRunner
 from .allocation import RULES, allocate_sparsity
-from .budget import NO_PRUNABLE
+from .budget import no_prunable_message
 from .masks import describe_layers, find_prunable, make_masks, read_weights
 from .repair import METHODS, repair_model
 from .transition import cts, cts_band, transition_band
@@ -161,7 +161,7 @@ class Pruner:
         self.keep_dense = tuple(self.keep_dense)
         self.layers = find_prunable(self.structure, self.keep_dense)
         if not self.layers:
-            raise OnnxDiagError(NO_PRUNABLE)
+            raise OnnxDiagError(no_prunable_message(self.structure.layers))
         self.infos = describe_layers(self.model, self.layers)
         self.weights = read_weights(self.model, self.layers)
         self.head = self.structure.head
