@@ -172,15 +172,18 @@ def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int
 
 def _capture_session(model, index: GraphIndex, layers, positions, providers, threads):
     """(runner, tensors to fetch, {layer input: its channels-last copy}) of the pass that
-    exposes every layer's dense input."""
+    exposes every layer's dense input. A tensor that only sampled convs read is fetched
+    channels-last alone (its NCHW layout is then a view of that copy: one copy out of
+    ONNX Runtime's blocked layout instead of two)."""
     inputs = list(dict.fromkeys(la.input for la in layers))
-    exposed = [t for t in inputs if t not in index.inputs]
+    last_of = {} if positions is None else {
+        la.input: len(la.kernel) + 2 for la in layers if la.op_type == "Conv"}
+    nchw = {la.input for la in layers if la.input not in last_of}
+    exposed = [t for t in inputs if t not in index.inputs and (t in nchw or t not in last_of)]
     capture = expose_tensors(model, exposed) if exposed else model
     last = {}
-    if positions is not None:  # sampled convs gather C-vectors from a channels-last copy
-        capture, last = expose_channels_last(
-            capture, {la.input: len(la.kernel) + 2 for la in layers if la.op_type == "Conv"},
-            tag="rr_channels_last")
+    if last_of:  # sampled convs gather C-vectors from a channels-last copy
+        capture, last = expose_channels_last(capture, last_of, tag="rr_channels_last")
     runner = OrtRunner(capture, providers=providers, threads=threads)
     return runner, exposed + list(last.values()), last
 
@@ -201,6 +204,8 @@ def _capture(model, index, layers, plans, source, n_images, positions, *, fold: 
         outs = runner.run(feeds, fetch) if fetch else {}
         outs.update(feeds)
         images = np.arange(seen, seen + take)
+        for t, copy in last.items():  # NCHW views of the channels-last copies
+            outs.setdefault(t, np.moveaxis(outs[copy], -1, 1))
         for i, (la, plan) in enumerate(zip(layers, plans)):
             batch = (outs[la.input], images, outs.get(last.get(la.input)))
             if fold:
