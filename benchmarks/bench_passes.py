@@ -10,7 +10,10 @@ the real Fashion-MNIST test images (for the 1×28×28 models). Passes, interleav
 round-robin in one process (so load from other processes hits each alike), the median of
 ``--repeat`` rounds after a warm-up:
 
-  plain     plain ORT inference over the N images (the baseline of channels / readouts)
+  plain     plain ORT inference over the N images (the baseline of channels / readouts:
+            the faster of it and plain_nospin)
+  plain_nospin  the same with ORT's threads not spin-waiting (the statistics pass's
+            session setting); on a loaded machine spinning threads can make plain slower
   channels  the channel-statistics pass (every analysed layer, default taps, a reused
             session, as in ``onnxdiag channels`` after session creation)
   readouts  the readout pass (head features + logits, every readout)
@@ -44,9 +47,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import ROOT, check, load_fashion_mnist_test  # noqa: E402
 
-PASSES = ("plain", "channels", "readouts", "dense", "rr", "prune", "sweep")
-BASELINE = {"channels": "plain", "readouts": "plain", "rr": "dense", "prune": "dense",
-            "sweep": "dense"}
+PASSES = ("plain", "plain_nospin", "channels", "readouts", "dense", "rr", "prune", "sweep")
+BASELINE = {"channels": "plain", "readouts": "plain", "plain_nospin": "plain", "rr": "dense",
+            "prune": "dense", "sweep": "dense"}
 
 
 def load_images(data: str | None, n: int) -> tuple[np.ndarray, np.ndarray | None]:
@@ -62,7 +65,11 @@ def load_images(data: str | None, n: int) -> tuple[np.ndarray, np.ndarray | None
 
 def make_passes(model_path: str, x, y, calib: int, batch_size: int, wanted) -> dict:
     """{pass: a callable running it once} for the ``wanted`` passes."""
-    from onnxdiag.channels.collect import collect_channel_moments, make_stats_runner
+    from onnxdiag.channels.collect import (
+        StatsRunner,
+        collect_channel_moments,
+        make_stats_runner,
+    )
     from onnxdiag.data.source import open_data
     from onnxdiag.evaluate import make_head_runner
     from onnxdiag.graph import analyze_structure
@@ -89,6 +96,8 @@ def make_passes(model_path: str, x, y, calib: int, batch_size: int, wanted) -> d
             runner.run(batch.feeds)
 
     fns["plain"] = lambda: run_all(plain, source)
+    quiet = StatsRunner(model)
+    fns["plain_nospin"] = lambda: run_all(quiet, source)
     if "channels" in wanted:
         stats_runner = make_stats_runner(model, structure)
         fns["channels"] = lambda: collect_channel_moments(model, structure, source,
@@ -106,14 +115,16 @@ def make_passes(model_path: str, x, y, calib: int, batch_size: int, wanted) -> d
         fns["rr"] = lambda: compute_rr_curves(model, layers, feeds, n_images=calib)
         fns["prune"] = lambda: pruner.prune(pruner.allocate("rr", 0.9), "cr+bn")
         fns["sweep"] = lambda: pruner.agreement(pruner.prune(alloc, "cr+bn")[0])
-    return {k: v for k, v in fns.items() if k in wanted or k in ("plain", "dense")}
+    return {k: v for k, v in fns.items()
+            if k in wanted or k in ("plain", "plain_nospin", "dense")}
 
 
-def interleaved_medians(fns: dict, repeat: int, pause: float) -> dict:
-    """Median wall seconds of each callable over ``repeat`` round-robin rounds, after one
-    warm-up each (a pause before each run lets ORT's spinning threads settle)."""
-    for fn in fns.values():
-        fn()
+def interleaved_medians(fns: dict, repeat: int, pause: float, warmup: int = 1) -> tuple:
+    """Median wall seconds of each callable over ``repeat`` round-robin rounds, after
+    ``warmup`` rounds (a pause before each run lets ORT's spinning threads settle)."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
     times: dict = {k: [] for k in fns}
     for _ in range(repeat):
         for k, fn in fns.items():
@@ -122,6 +133,14 @@ def interleaved_medians(fns: dict, repeat: int, pause: float) -> dict:
             fn()
             times[k].append(time.perf_counter() - t0)
     return {k: float(np.median(v)) for k, v in times.items()}, times
+
+
+def base(med: dict, k: str) -> float:
+    """The baseline seconds of pass ``k``: the faster plain variant for the passes over the
+    N images, the dense calibration pass for rr / prune / sweep."""
+    b = BASELINE.get(k, k)
+    return min(med["plain"], med["plain_nospin"]) if b == "plain" and k != "plain_nospin" \
+        else med[b]
 
 
 def peak_memory(model_path: str, data: str | None, n: int, batch_size: int) -> float:
@@ -161,6 +180,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calib", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1, help="warm-up rounds (0 for passes "
+                    "of minutes, where sessions are made inside the pass anyway)")
     ap.add_argument("--passes", default=",".join(PASSES))
     ap.add_argument("--memory", default="", help="comma list of N for the peak-memory runs")
     ap.add_argument("--smoke", action="store_true", help="the bundled CNN, 256 images, "
@@ -172,14 +193,15 @@ def main(argv=None) -> int:
         memory_child(args.model, args.data, args.memory_child, args.batch_size)
         return 0
     if args.smoke:
-        args.n, args.calib, args.repeat, args.memory = 256, 32, 1, "128,256"
+        args.n, args.calib, args.repeat, args.warmup, args.memory = 256, 32, 1, 0, "256"
     wanted = [p.strip() for p in args.passes.split(",") if p.strip()]
     x, y = load_images(args.data, args.n)
     fns = make_passes(args.model, x, y, args.calib, args.batch_size, wanted)
-    med, times = interleaved_medians(fns, args.repeat, 0.0 if args.smoke else 0.2)
+    med, times = interleaved_medians(fns, args.repeat, 0.0 if args.smoke else 0.2,
+                                     args.warmup)
     res = {"model": args.model, "n": args.n, "calib": args.calib, "seconds": med,
            "all_seconds": times,
-           "ratio": {k: med[k] / med[BASELINE.get(k, k)] for k in med},
+           "ratio": {k: med[k] / base(med, k) for k in med},
            "load_average": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                   time.gmtime()),
            "machine": f"{platform.machine()} {os.cpu_count()} cores, Python "
@@ -188,7 +210,7 @@ def main(argv=None) -> int:
                          for n in args.memory.split(",") if n}
     print(f"{'pass':10s} {'median s':>9s} {'x baseline':>10s}  baseline")
     for k, v in med.items():
-        print(f"{k:10s} {v:9.3f} {res['ratio'][k]:10.2f}  {BASELINE.get(k, k)}")
+        print(f"{k:12s} {v:9.3f} {res['ratio'][k]:10.2f}  {BASELINE.get(k, k)}")
     print("load average after the timings: " + ", ".join(f"{v:.2f}" for v in
                                                           res["load_average"]))
     for n, mib in res["memory_mib"].items():

@@ -78,11 +78,14 @@ def output_rows(layer, y: np.ndarray) -> np.ndarray:
 def output_moments(layer, arrays) -> Moments:
     """Per-channel moments of the layer's output over the batches ``arrays``."""
     acc = None
+    axis = 1 if layer.op_type in ("Conv", "ConvTranspose") else -1
     for a in arrays:
-        rows = output_rows(layer, a)
+        a = np.asarray(a)
+        if a.ndim == 1:  # a linear layer's (C,) output: one sample
+            a = a[None]
         if acc is None:
-            acc = Moments(rows.shape[1], full=False)
-        acc.update(rows)
+            acc = Moments(a.shape[axis], full=False)
+        acc.update_axis(a, axis)  # no transposed float64 copy (was 2/3 of a repair)
     return acc
 
 

@@ -39,6 +39,7 @@ from ..errors import DataError, OnnxDiagError
 from ..graph import GraphIndex
 from ..graph._records import jsonable
 from ..model.edit import ModelEditor
+from ..runtime.progress import progress
 from ..stats import Moments
 from .fold import (  # noqa: F401 - LayerRepair, cr_alpha, channel_rows re-exported
     CR_EPS,
@@ -112,8 +113,8 @@ def parse_method(method: str) -> tuple[str | None, bool]:
 
 def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *,
                  method: str = "cr+bn", alpha_cap: float = 100.0, n_images: int | None = None,
-                 recalibrate: str = "affected", providers=None, threads: int | None = None
-                 ) -> tuple[onnx.ModelProto, RepairRecord]:
+                 recalibrate: str = "affected", providers=None, threads: int | None = None,
+                 label: str | None = None) -> tuple[onnx.ModelProto, RepairRecord]:
     """Prune ``model`` with ``masks`` and repair it on calibration data (METHODS §C1).
 
     Args:
@@ -122,6 +123,8 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
         calib_source: a DataSource or an iterable of feed dicts; the first ``n_images``
             samples (all when None) are held in memory for the sequential pass.
         method: one of ``METHODS``; alpha_cap: CR's cap on α (**our default** 100).
+        label: a progress bar with an ETA (stderr, a terminal only) over the sequential
+            pass's layers and BNs; None: silent.
 
     Returns the repaired copy (``model`` is never modified; masks and repairs are one
     edit, checked once by ``ModelEditor.finish``) and its :class:`RepairRecord`, whose
@@ -143,7 +146,7 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
     dense = dense_moments(model, plan.dense_layers, batches, providers, threads)
     done_layers, done_bns, passes["segments"] = _sequential(
         editor, batches, plan.layers, dense, plan.bns, cr_kind, plan.affine, alpha_cap,
-        providers, threads)
+        providers, threads, label)
     return editor.finish(), RepairRecord(method, alpha_cap, recalibrate, n, done_layers,
                                          done_bns, passes, plan.notes)
 
@@ -206,7 +209,7 @@ def repair_notes(model: onnx.ModelProto, layers, methods) -> list[str]:
 
 
 def _sequential(editor, batches, layers, dense, bns, cr_kind, affine, alpha_cap,
-                providers, threads) -> tuple[dict, dict, int]:
+                providers, threads, label=None) -> tuple[dict, dict, int]:
     """Repair ``layers`` (to ``dense`` moments; ``affine`` {name: bool}) and recalibrate
     ``bns`` of the model in ``editor`` in topological order, each measured with the
     upstream repairs in place; returns (LayerRepair per layer, BNRepair per BN, sessions)."""
@@ -214,7 +217,7 @@ def _sequential(editor, batches, layers, dense, bns, cr_kind, affine, alpha_cap,
     items = sorted([(seg.position(la.output), 0, i) for i, la in enumerate(layers)]
                    + [(seg.position(b.input[0]), 1, i) for i, b in enumerate(bns)])
     done_layers, done_bns = {}, {}
-    for pos, kind, i in items:
+    for pos, kind, i in progress(items, len(items), label) if label else items:
         tensor = layers[i].output if kind == 0 else bns[i].input[0]
         seg.run_to(pos, keep=[tensor])
         if kind == 0:
@@ -347,7 +350,7 @@ def _affected(index: GraphIndex, pruned_layers: list[str]) -> set[str]:
 def _recalibrate_bn(seg: SegmentedPass, editor: ModelEditor, bn) -> BNRepair:
     acc = Moments(bn_channels(seg.frontier[bn.input[0]]), full=False)
     for x in seg.frontier[bn.input[0]]:
-        acc.update(channel_rows(x))
+        acc.update_axis(x, 1)  # = update(channel_rows(x)), without the transposed copy
     mean, var = acc.mean, acc.var()
     for pos, value in ((3, mean), (4, var)):
         old = editor.value(bn.input[pos])

@@ -154,6 +154,7 @@ class Pruner:
     recalibrate: str = "affected"
     providers: object = None
     threads: int | None = None
+    label: str | None = None  # progress bars of each repair's sequential pass (None: none)
 
     def __post_init__(self):
         self.keep_dense = tuple(self.keep_dense)
@@ -181,7 +182,8 @@ class Pruner:
         masks = make_masks(allocation, self.weights) if masks is None else masks
         return repair_model(self.model, self.structure, masks, self.calib, method=method,
                             alpha_cap=self.alpha_cap, recalibrate=self.recalibrate,
-                            providers=self.providers, threads=self.threads)
+                            providers=self.providers, threads=self.threads,
+                            label=self.label and f"{self.label} ({method})")
 
     def logits(self, model, runner=None) -> np.ndarray:
         """Head logits of ``model`` on the calibration set."""
