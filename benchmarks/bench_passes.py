@@ -18,7 +18,7 @@ round-robin in one process (so load from other processes hits each alike), the m
             session, as in ``onnxdiag channels`` after session creation)
   readouts  the readout pass (head features + logits, every readout)
   dense     plain ORT inference over the first --calib images (the baseline of rr, prune,
-            sweep: "one dense pass over the calibration set")
+            sweep: "one dense pass over the calibration set"; dense_nospin likewise)
   rr        compute_rr_curves on the --calib images (default grid of 28 sparsities, 16
             positions; capture session included)
   prune     one allocation (rule ``rr`` at S = 0.9, the curves given) + masks + the cr+bn
@@ -26,6 +26,11 @@ round-robin in one process (so load from other processes hits each alike), the m
             what ``onnxdiag prune`` does after its RR curves, less emitting the file
   sweep     one sweep cell: prune as above + the agreement pass on the calibration set
             (``onnxdiag sweep`` runs RR once, then this per cell)
+
+CPU seconds (``time.process_time``, all threads) are reported next to wall seconds: on a
+shared, loaded machine they show the work each pass adds; their baseline is the
+non-spinning plain / dense pass (spin-waiting threads inflate the CPU time of a spinning
+session, so the CPU ratios of rr / prune / sweep, whose sessions spin, are upper bounds).
 
 Peak memory (``--memory``, fresh processes, data streamed in batches cycling over a small
 base set so that the data held do not grow with N): the channel-statistics pass at each N.
@@ -49,7 +54,7 @@ from benchmarks.common import ROOT, check, load_fashion_mnist_test  # noqa: E402
 
 PASSES = ("plain", "plain_nospin", "channels", "readouts", "dense", "rr", "prune", "sweep")
 BASELINE = {"channels": "plain", "readouts": "plain", "plain_nospin": "plain", "rr": "dense",
-            "prune": "dense", "sweep": "dense"}
+            "prune": "dense", "sweep": "dense", "dense_nospin": "dense"}
 
 
 def load_images(data: str | None, n: int) -> tuple[np.ndarray, np.ndarray | None]:
@@ -106,6 +111,7 @@ def make_passes(model_path: str, x, y, calib: int, batch_size: int, wanted) -> d
         head_runner = make_head_runner(model, structure.head)
         fns["readouts"] = lambda: probe_model(model, structure, source, runner=head_runner)
     fns["dense"] = lambda: run_all(plain, csource)
+    fns["dense_nospin"] = lambda: run_all(quiet, csource)
     sparse = {"rr", "prune", "sweep"} & set(wanted)
     if sparse:
         layers = find_prunable(structure)
@@ -116,7 +122,7 @@ def make_passes(model_path: str, x, y, calib: int, batch_size: int, wanted) -> d
         fns["prune"] = lambda: pruner.prune(pruner.allocate("rr", 0.9), "cr+bn")
         fns["sweep"] = lambda: pruner.agreement(pruner.prune(alloc, "cr+bn")[0])
     return {k: v for k, v in fns.items()
-            if k in wanted or k in ("plain", "plain_nospin", "dense")}
+            if k in wanted or k in ("plain", "plain_nospin", "dense", "dense_nospin")}
 
 
 def interleaved_medians(fns: dict, repeat: int, pause: float, warmup: int = 1) -> tuple:
@@ -126,21 +132,26 @@ def interleaved_medians(fns: dict, repeat: int, pause: float, warmup: int = 1) -
         for fn in fns.values():
             fn()
     times: dict = {k: [] for k in fns}
+    cpu: dict = {k: [] for k in fns}
     for _ in range(repeat):
         for k, fn in fns.items():
             time.sleep(pause)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
             times[k].append(time.perf_counter() - t0)
-    return {k: float(np.median(v)) for k, v in times.items()}, times
+            cpu[k].append(time.process_time() - c0)
+    return ({k: float(np.median(v)) for k, v in times.items()},
+            {k: float(np.median(v)) for k, v in cpu.items()}, times)
 
 
-def base(med: dict, k: str) -> float:
+def base(med: dict, k: str, nospin: bool = False) -> float:
     """The baseline seconds of pass ``k``: the faster plain variant for the passes over the
-    N images, the dense calibration pass for rr / prune / sweep."""
+    N images (``nospin``, for CPU seconds: plain_nospin, as spinning threads inflate the
+    CPU time of plain), the dense calibration pass for rr / prune / sweep."""
     b = BASELINE.get(k, k)
-    return min(med["plain"], med["plain_nospin"]) if b == "plain" and k != "plain_nospin" \
-        else med[b]
+    if b == "plain":
+        return med["plain_nospin"] if nospin else min(med["plain"], med["plain_nospin"])
+    return med["dense_nospin"] if nospin else med[b]
 
 
 def peak_memory(model_path: str, data: str | None, n: int, batch_size: int) -> float:
@@ -197,20 +208,24 @@ def main(argv=None) -> int:
     wanted = [p.strip() for p in args.passes.split(",") if p.strip()]
     x, y = load_images(args.data, args.n)
     fns = make_passes(args.model, x, y, args.calib, args.batch_size, wanted)
-    med, times = interleaved_medians(fns, args.repeat, 0.0 if args.smoke else 0.2,
-                                     args.warmup)
+    med, cpu, times = interleaved_medians(fns, args.repeat, 0.0 if args.smoke else 0.2,
+                                          args.warmup)
     res = {"model": args.model, "n": args.n, "calib": args.calib, "seconds": med,
            "all_seconds": times,
            "ratio": {k: med[k] / base(med, k) for k in med},
+           "cpu_seconds": cpu, "cpu_ratio": {k: cpu[k] / base(cpu, k, nospin=True)
+                                             for k in cpu},
            "load_average": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                   time.gmtime()),
            "machine": f"{platform.machine()} {os.cpu_count()} cores, Python "
                       f"{platform.python_version()}"}
     res["memory_mib"] = {n: peak_memory(args.model, args.data, int(n), args.batch_size)
                          for n in args.memory.split(",") if n}
-    print(f"{'pass':10s} {'median s':>9s} {'x baseline':>10s}  baseline")
+    print(f"{'pass':12s} {'median s':>9s} {'x baseline':>10s} {'cpu s':>8s} {'cpu x':>7s}"
+          "  baseline")
     for k, v in med.items():
-        print(f"{k:12s} {v:9.3f} {res['ratio'][k]:10.2f}  {BASELINE.get(k, k)}")
+        print(f"{k:12s} {v:9.3f} {res['ratio'][k]:10.2f} {cpu[k]:8.3f} "
+              f"{res['cpu_ratio'][k]:7.2f}  {BASELINE.get(k, k)}")
     print("load average after the timings: " + ", ".join(f"{v:.2f}" for v in
                                                           res["load_average"]))
     for n, mib in res["memory_mib"].items():
