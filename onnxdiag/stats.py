@@ -94,6 +94,40 @@ class Moments:
         self._combine(int(n_b), (centre - self._shift) + offset, m2)
         return self
 
+    def update_axis(self, x: np.ndarray, axis: int = 1) -> Moments:
+        """Fold in every value of ``x`` as samples of the features along ``axis`` (e.g. the
+        channels of an (n, C, H, W) tensor) without a transposed copy; returns self.
+
+        The same moments as :meth:`update` on ``moveaxis(x, axis, -1).reshape(-1, d)``
+        to float64 rounding: float64 per-feature mean, then centred sums of squares
+        (one contiguous float64 copy of ``x``, shifted and squared in place).
+        """
+        x = np.asarray(x)
+        axis = axis % x.ndim
+        if x.shape[axis] != self.n_features:
+            raise ValueError(f"expected {self.n_features} features on axis {axis}, got "
+                             f"{x.shape}")
+        n_b = x.size // max(self.n_features, 1)
+        if n_b == 0:
+            return self
+        others = tuple(i for i in range(x.ndim) if i != axis)
+        shape = [1] * x.ndim
+        shape[axis] = -1
+        work = np.array(x, dtype=np.float64)  # contiguous, writable
+        if self.n == 0:
+            self._shift = work.mean(axis=others)
+        work -= self._shift.reshape(shape)
+        batch_mean = work.mean(axis=others)
+        work -= batch_mean.reshape(shape)
+        if self.full:
+            rows = np.moveaxis(work, axis, -1).reshape(-1, self.n_features)
+            batch_m2 = rows.T @ rows
+        else:
+            np.square(work, out=work)
+            batch_m2 = work.sum(axis=others)
+        self._combine(n_b, batch_mean, batch_m2)
+        return self
+
     def select(self, features) -> Moments:
         """A new accumulator of the chosen ``features`` only (indices into 0..d−1, in the
         order given): the same samples' moments of those columns."""

@@ -34,6 +34,7 @@ SMOKES = {
     "bench_channel_alignment.py": (None, ["| width |", "| ratio | --round-to |"]),
     "bench_reconstruct_channels.py": (None, ["| calibration images |", "| none | bn | recon |",
                                              "magnitude none | magnitude recon"]),
+    "bench_passes.py": (None, ["x baseline", "plain_nospin", "prune", "peak RSS"]),
 }
 #: run by gpu_check.sh (test_gpu_check_runs_degraded_on_a_cpu_machine), not twice
 BY_GPU_CHECK = {"bench_gpu.py"}
@@ -123,3 +124,31 @@ def test_study_scripts_parse_their_options(script):
     result = _run([sys.executable, str(ROOT / "tools" / script), "--help"], timeout=60)
     assert result.returncode == 0, result.stderr
     assert "--zoo" in result.stdout
+
+
+def test_resnet50_builder_smoke_exports_a_bottleneck_resnet(tmp_path):
+    """``benchmarks/resnet50.py --smoke`` exports a plain-torch bottleneck ResNet (53 convs:
+    a stem, 16 blocks of 3, 4 projections; one linear head) that ONNX Runtime runs on its
+    calibration file, and whose torch outputs it reproduces."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("needs torch")
+    res = _run([sys.executable, str(BENCH / "resnet50.py"), str(tmp_path), "--smoke"])
+    assert res.returncode == 0, res.stderr[-2000:]
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    import torch
+
+    sys.path.insert(0, str(BENCH))
+    import resnet50
+
+    model = onnx.load(str(tmp_path / "model.onnx"))
+    assert sum(n.op_type == "Conv" for n in model.graph.node) == 53
+    x = np.load(tmp_path / "calib.npz")["input"]
+    assert x.shape == (8, 3, 64, 64)
+    sess = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
+    got = sess.run(None, {"input": x})[0]
+    with torch.no_grad():
+        ref = resnet50.build(1 / 16)(torch.from_numpy(x)).numpy()
+    assert got.shape == (8, 1000)
+    np.testing.assert_allclose(got, ref, rtol=1e-3, atol=1e-4)

@@ -140,3 +140,19 @@ def test_apply_masks_user_errors():
         apply_masks(model, {"stem": np.ones((2, 2), bool)})
     with pytest.raises(OnnxDiagError, match="not in the model"):
         apply_masks(model, {"nope": np.ones((2, 2), bool)})
+
+
+def test_magnitude_order_equals_a_stable_argsort_with_ties_and_signed_zeros():
+    """The one-sort key path gives exactly the stable argsort of −|w| (ties: lower index
+    first; −0 and +0 tie), and float64 / NaN weights take the argsort path."""
+    from onnxdiag.sparsity.masks import magnitude_order
+
+    rng = np.random.default_rng(1)
+    cases = [rng.standard_normal((64, 3, 3, 3)).astype(np.float32),
+             np.round(rng.standard_normal(5000), 1).astype(np.float32),  # many ties
+             np.array([0.0, -0.0, 1.0, -1.0, 2.0, 0.0, np.inf, -np.inf], np.float32),
+             rng.standard_normal(100), np.array([1.0, np.nan, -3.0], np.float32)]
+    for w in cases:
+        ref = np.argsort(-np.abs(w.astype(np.float64)).ravel(), kind="stable")
+        got = magnitude_order(w)
+        assert got.dtype == np.int64 and np.array_equal(got, ref)

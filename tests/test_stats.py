@@ -193,3 +193,22 @@ def test_select_equals_the_moments_of_the_chosen_columns(full):
         np.testing.assert_allclose(sub.cov(), ref.cov(), rtol=1e-12, atol=1e-12)
     sub.update(x[:3, idx])  # an independent accumulator
     assert acc.n == 50
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_update_axis_equals_update_on_the_transposed_rows(full):
+    """Moments.update_axis (features on an axis of an NCHW tensor, no transposed copy) equals
+    Moments.update on the explicit (n·H·W, C) rows, for any batch split, to float64 rounding."""
+    rng = np.random.default_rng(2)
+    x = (rng.normal(size=(7, 5, 4, 3)) * 3 + 50).astype(np.float32)
+    a, b = Moments(5, full=full), Moments(5, full=full)
+    for part in np.split(np.arange(7), [2, 3]):
+        a.update_axis(x[part], 1)
+        b.update(np.moveaxis(x[part], 1, -1).reshape(-1, 5))
+    assert a.n == b.n == 7 * 12
+    np.testing.assert_allclose(a.mean, b.mean, rtol=1e-13)
+    np.testing.assert_allclose(a.var(), b.var(), rtol=1e-11)
+    ref = np.moveaxis(x, 1, -1).reshape(-1, 5).astype(np.float64)
+    np.testing.assert_allclose(a.var(), ref.var(axis=0, ddof=1), rtol=1e-11)
+    if full:
+        np.testing.assert_allclose(a.cov(), np.cov(ref, rowvar=False), rtol=1e-11)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from ..data.request import DataRequest
 from ..errors import OnnxDiagError
-from ..model.expose import expose_channels_last, expose_tensors
+from ..model.expose import channels_last_name, expose_channels_last, expose_tensors
 from ..runtime.executor import wants_gpu
 from ..runtime.runner import OrtRunner, single_threaded_blas
 from ..selection.probe import resolve_targets
@@ -131,10 +131,12 @@ def collect_channel_moments(model, structure, source, settings: StatsSettings | 
     settings = StatsSettings.of(settings, **fields)
     targets, chosen = check_settings(settings, source, structure)
     taps = choose_taps(model, chosen, settings.tap, settings.task_samples, settings.n_positions)
-    exposed, names, fetch = _stats_model(model, chosen, structure.head, taps)
     if runner is None:
+        exposed, names, fetch = _stats_model(model, chosen, structure.head, taps)
         runner = StatsRunner(exposed, providers=providers)
-    elif not set(fetch) <= set(runner.output_names):
+    else:  # the names alone: building the exposed model cost 10 % of a pass on 52 layers
+        names, fetch = _stats_names(*_tensors(chosen, taps), structure.head)
+    if not set(fetch) <= set(runner.output_names):
         raise OnnxDiagError("The runner passed to collect_channel_moments does not expose "
                             "the analysed layers; make it with make_stats_runner(model, "
                             "structure, layers, tap=…) with this pass's settings.")
@@ -176,6 +178,18 @@ def _stats_model(model, chosen, head, taps: dict) -> tuple:
     layout reorder ONNX Runtime does for any exposed conv tensor); a linear layer's
     tensors (channels last already), the head's features and logits as they are.
     """
+    tensors, linear = _tensors(chosen, taps)
+    exposed, _ = expose_channels_last(
+        expose_tensors(model, [head.features, head.logits, *linear]), tensors,
+        tag=STATS_TAG)  # its names are channels_last_name's, as _stats_names gives them
+    return (exposed, *_stats_names(tensors, linear, head))
+
+
+STATS_TAG = "stats_channels_last"
+
+
+def _tensors(chosen, taps: dict) -> tuple[dict, list]:
+    """({conv tensor the pass reads: its rank}, [linear layers' tensors])."""
     tensors, linear = {}, []
     for la in chosen:
         tensor = la.input if isinstance(taps[la.node_name], InputTap) else la.output
@@ -183,12 +197,16 @@ def _stats_model(model, chosen, head, taps: dict) -> tuple:
             tensors[tensor] = len(la.kernel) + 2
         else:
             linear.append(tensor)
-    exposed, last = expose_channels_last(
-        expose_tensors(model, [head.features, head.logits, *linear]), tensors,
-        tag="stats_channels_last")
+    return tensors, linear
+
+
+def _stats_names(tensors: dict, linear: list, head) -> tuple[dict, list]:
+    """What :func:`_stats_model` exposes, by name, without building it: (layer tensor →
+    its output name, the output names to fetch)."""
+    last = {t: channels_last_name(t, STATS_TAG) for t in tensors}
     last.update({t: t for t in linear if t not in last})
     fetch = list(dict.fromkeys([head.features, head.logits, *last.values()]))
-    return exposed, last, fetch
+    return last, fetch
 
 
 def make_stats_runner(model, structure, settings: StatsSettings | None = None, *,

@@ -103,7 +103,7 @@ class BatchFolder:
         self.settings, self.targets = settings, targets
         self.acc = {la.node_name: LayerMoments.empty(la, settings.task_samples)
                     for la in chosen}
-        self.buffers: dict = {}  # reused float64 work buffers, one per (rows, columns)
+        self.buffers: dict = {}  # reused float32 work buffers, one per (rows, columns)
 
     def fold(self, batch, out) -> int:
         """Fold ``out`` (the pass's outputs for ``batch``); the number of images."""
@@ -166,40 +166,77 @@ def _fold(acc: LayerMoments, x: np.ndarray, t, t_null, indices, positions, n_pos
     acc.n_images += n
 
 
+#: Rows per float32 Gram block: each block's products are one float32 BLAS product
+#: (syrk), merged into the float64 accumulators (``docs/METHODS.md §B1``).
+GRAM_BLOCK = 1024
+#: The unit roundoff of float32.
+U32 = 2.0 ** -24
+
+
+def gram_error_bound(abs_gram: np.ndarray, block: int = GRAM_BLOCK) -> np.ndarray:
+    """Bound on |:func:`blocked_gram` − the exact Gram of z = x − centre|, entrywise,
+    given ``abs_gram`` = Σ|z_i||z_j| over the rows (which Cauchy–Schwarz bounds by
+    √(G_ii G_jj): the bound is a relative error of the products).
+
+    Per entry: the float32 centring ẑ = z(1 + δ), |δ| ≤ u, changes a product by at most
+    (2u + u²)|z_i z_j|; a float32 dot product of m ≤ ``block`` terms errs by at most
+    γ_m Σ|ẑ_i ẑ_j| (any summation order, FMA or not), γ_m = m u / (1 − m u); the
+    float64 sums of the blocks add ~2⁻⁵³ per block (taken as u). With m = 1024,
+    ≈ 6.1e-5 of Σ|z_i||z_j|; typical errors are ~√m u ≈ 2e-6 of it.
+    """
+    m = block
+    gamma = m * U32 / (1 - m * U32)
+    return ((gamma + 2 * U32 + U32 ** 2) * (1 + 2 * U32 + U32 ** 2) + U32) * abs_gram
+
+
+def blocked_gram(z32: np.ndarray, block: int = GRAM_BLOCK) -> np.ndarray:
+    """zᵀz (float64, (d, d)) of float32 rows ``z32`` (rows, d): float32 products over
+    blocks of ``block`` rows, summed in float64 (error: :func:`gram_error_bound`)."""
+    rows, d = z32.shape
+    gram = np.zeros((d, d))
+    for a in range(0, rows, block):
+        part = z32[a:a + block]
+        gram += part.T @ part  # one float32 syrk per block
+    return gram
+
+
 def _fold_rows(moments: Moments, samples: np.ndarray, targets: np.ndarray | None, k: int,
                buffers: dict) -> None:
     """``moments`` of the columns [samples, targets repeated k times per image].
 
-    Everything is float64 around the running mean (the first row on the first batch):
-    the samples are copied into a contiguous float64 buffer ``y`` and shifted in place,
-    the per-image columns ``e = [targets − centre | 1]`` hold for each of the image's k
-    positions, and the Gram of ``[y | e]`` is assembled from ``yᵀy`` (one syrk, the bulk
-    of the work), ``yᵀe`` = (y summed over each image's positions)ᵀ e and ``eᵀe`` = k eᵀe
-    per image; its ones column gives the sums around the centre, so
-    :meth:`Moments.update_sums` needs no second pass over the samples.
+    One float32 buffer ``z = [samples − centre | targets − centre | 1]`` (reused across
+    batches; the targets repeated for each of the image's k positions), centred on the
+    batch's own mean rounded to float32 (any centre is exact for
+    :meth:`Moments.update_sums`; the batch's mean leaves nothing to cancel, and, unlike
+    the running mean, depends on the batch alone, so a batch folds to the same float64
+    numbers in a single pass and in any shard: the split-exactness of
+    ``docs/ARCHITECTURE.md`` invariant 5), and its Gram :func:`blocked_gram` (float32
+    blocks merged in float64; error bound :func:`gram_error_bound`, tested), whose block
+    of the per-image columns alone is recomputed in float64 (n × 3 values: the targets'
+    own moments, and the permutation control's, stay float64-exact). Its ones column
+    gives the sums around the centre, so :meth:`Moments.update_sums` needs no second
+    pass over the samples.
     """
     rows, c = samples.shape
     if rows == 0:
         return
     n_t = 0 if targets is None else targets.shape[1]
     d = c + n_t
-    if moments.n:
-        centre = moments.mean
-    else:
-        first = [samples[0]] if targets is None else [samples[0], targets[0]]
-        centre = np.concatenate(first).astype(np.float64)
-    y = buffers.get((rows, c))
-    if y is None:
-        y = buffers[(rows, c)] = np.empty((rows, c))
-    np.copyto(y, samples)  # float32 → float64 (exact), contiguous
-    y -= centre[:c]
+    # the batch's own mean (see the docstring), by one BLAS product: any centre is exact
+    # for update_sums, and a float32-accurate one leaves nothing to cancel
+    centre = np.ones(rows, samples.dtype) @ samples / rows
+    if targets is not None:
+        centre = np.concatenate([centre, targets.mean(axis=0)])
+    centre32 = centre.astype(np.float32)
+    z = buffers.get((rows, d))
+    if z is None:
+        z = buffers[(rows, d)] = np.empty((rows, d + 1), np.float32)
+        z[:, d] = 1.0
+    np.subtract(samples, centre32[:c], out=z[:, :c], casting="unsafe")
     per_image = np.ones((rows // k, n_t + 1))
     if targets is not None:
-        np.subtract(targets, centre[c:], out=per_image[:, :n_t])
-    gram = np.empty((d + 1, d + 1))
-    gram[:c, :c] = y.T @ y
-    gram[:c, c:] = y.reshape(rows // k, k, c).sum(axis=1).T @ per_image
-    gram[c:, :c] = gram[:c, c:].T
-    gram[c:, c:] = k * (per_image.T @ per_image)
-    moments.update_sums(rows, centre, gram[d, :d], gram[:d, :d])
-
+        np.subtract(targets, centre32[c:], out=per_image[:, :n_t])
+        z[:, c:d] = np.repeat(per_image[:, :n_t], k, axis=0)
+    gram = blocked_gram(z)
+    gram[c:, c:] = k * (per_image.T @ per_image)  # the per-image columns' block: float64
+    moments.update_sums(rows, centre32.astype(np.float64), gram[d, :d], gram[:d, :d])

@@ -121,7 +121,8 @@ def prune_inputs(inputs: Inputs, options: PruneOptions, budget, runtime) -> tupl
     if rule.startswith("rr") and budget.n_pruned:
         curves = compute_curves(inputs, opts, seed=options.seed, providers=runtime.providers,
                                 progress=runtime.progress)
-    pruner = make_pruner(inputs, opts, curves, runtime.providers, seed=options.seed)
+    pruner = make_pruner(inputs, opts, curves, runtime.providers, seed=options.seed,
+                         progress=runtime.progress)
     if not budget.n_pruned:  # nothing to remove: no allocation rule or repair runs
         alloc = pruner.allocate("uniform", 0.0)
         say(runtime.progress, f"Pruning nothing: {no_op_reason(budget)}; emitting the source "

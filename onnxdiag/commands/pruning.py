@@ -164,13 +164,15 @@ def compute_curves(inputs: Inputs, options: PrunerOptions, *, seed=0, grid=None,
                   f"{options.rr_images} calibration images, {where} (one capture pass)")
     return compute_rr_curves(inputs.model, inputs.layers, inputs.feeds, grid=grid,
                              n_images=options.rr_images, positions=positions, seed=seed,
-                             providers=providers, executor=executor)
+                             providers=providers, executor=executor,
+                             label="RR curves" if progress else None)
 
 
 def make_pruner(inputs: Inputs, options: PrunerOptions, curves=None, providers=None, *,
-                seed: int = 0):
+                seed: int = 0, progress: bool = False):
     """The :class:`~onnxdiag.sparsity.sweep.Pruner` of the dense model (rr rules need
-    ``curves``; ``seed``: the LS position draw)."""
+    ``curves``; ``seed``: the LS position draw); ``progress``: a bar with an ETA over each
+    repair's layers."""
     from ..sparsity.sweep import Pruner
 
     rule = dict(prior=options.rr_prior, gamma=options.rr_gamma, cap=options.rr_cap,
@@ -178,7 +180,8 @@ def make_pruner(inputs: Inputs, options: PrunerOptions, curves=None, providers=N
     return Pruner(inputs.model, inputs.structure, inputs.feeds, keep_dense=options.keep_dense,
                   rr_curves=curves, options=rule, alpha_cap=options.alpha_cap,
                   recalibrate=options.recalibrate, providers=providers,
-                  ls=dataclasses.replace(options.ls_settings(), seed=seed))
+                  ls=dataclasses.replace(options.ls_settings(), seed=seed),
+                  label="Repair" if progress else None)
 
 
 def open_fan_out(runtime):
@@ -235,6 +238,9 @@ def cell_printer(enabled: bool):
     """on_cell callback: one progress line per sweep cell on stderr."""
     if not enabled:
         return None
+    import time
+
+    start = time.perf_counter()
 
     def show(cell, i, total):
         if cell.error:
@@ -244,7 +250,10 @@ def cell_printer(enabled: bool):
             if cell.accuracy is not None:
                 what += f", top-1 {100 * cell.accuracy:.2f} %"
             what += f" ({cell.seconds:.1f} s)"
-        say(True, f"[{i}/{total}] S={cell.sparsity:g} {cell.allocation} {cell.repair}: {what}")
+        left = (time.perf_counter() - start) / i * (total - i)
+        eta = f", ETA {left:.0f} s" if i < total else ""
+        say(True, f"[{i}/{total}] S={cell.sparsity:g} {cell.allocation} {cell.repair}: "
+                  f"{what}{eta}")
     return show
 
 

@@ -105,7 +105,8 @@ def _scan(inputs: Inputs, options: RROptions, curves, band, runtime, ex) -> dict
     """The label-free transition scan: ``band`` × ``allocation`` × CR+BN / BN-only."""
     from ..sparsity.sweep import run_sweep, transition_summary
 
-    pruner = make_pruner(inputs, options.pruner, curves, runtime.providers)
+    pruner = make_pruner(inputs, options.pruner, curves, runtime.providers,
+                         progress=runtime.progress)
     cells = run_sweep(pruner, band, [options.allocation], list(SCAN_REPAIRS),
                       on_cell=cell_printer(runtime.progress), executor=ex)
     rows = [c.to_dict() for c in cells]

@@ -81,7 +81,8 @@ def sweep_report(model, *, data, eval_data=None, options: SweepOptions = SweepOp
         curves = None if not needs_rr(rules) else compute_curves(
             inputs, options.pruner, seed=options.seed, providers=runtime.providers,
             progress=runtime.progress, executor=ex)
-        pruner = make_pruner(inputs, options.pruner, curves, runtime.providers, seed=options.seed)
+        pruner = make_pruner(inputs, options.pruner, curves, runtime.providers, seed=options.seed,
+                             progress=runtime.progress)
         _, dense_eval = pruner.measure(inputs.model, inputs.evaluation)
         say(runtime.progress, f"Sweep: {len(grid)} sparsities x {len(rules)} allocations x "
                               f"{len(methods)} repairs on {pruner.n_images} calibration images")

@@ -99,13 +99,18 @@ def expose_channels_last(model: onnx.ModelProto, tensors: dict[str, int], *,
     types = {v.name: v.type.tensor_type.elem_type
              for v in (*out.graph.input, *out.graph.output, *out.graph.value_info)}
     for i, (name, rank) in enumerate(tensors.items()):
-        names[name] = f"{name}__onnxdiag_{tag}"
+        names[name] = channels_last_name(name, tag)
         out.graph.node.append(helper.make_node(
             "Transpose", [name], [names[name]], name=f"onnxdiag_{tag}_{i}",
             perm=[0, *range(2, rank), 1]))
         out.graph.output.append(helper.make_tensor_value_info(
             names[name], types.get(name) or onnx.TensorProto.FLOAT, None))
     return out, names
+
+
+def channels_last_name(name: str, tag: str = "channels_last") -> str:
+    """The output name :func:`expose_channels_last` gives tensor ``name``'s copy."""
+    return f"{name}__onnxdiag_{tag}"
 
 
 def _fill_missing_output_types(model: onnx.ModelProto) -> None:

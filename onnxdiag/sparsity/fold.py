@@ -75,25 +75,33 @@ def output_rows(layer, y: np.ndarray) -> np.ndarray:
     return y.reshape(-1, y.shape[-1])
 
 
-def output_moments(layer, arrays) -> Moments:
-    """Per-channel moments of the layer's output over the batches ``arrays``."""
-    acc = None
+def output_moments(layer, arrays, acc: Moments | None = None) -> Moments:
+    """Per-channel moments of the layer's output over the batches ``arrays`` (folded into
+    ``acc`` when given)."""
+    axis = 1 if layer.op_type in ("Conv", "ConvTranspose") else -1
     for a in arrays:
-        rows = output_rows(layer, a)
+        a = np.asarray(a)
+        if a.ndim == 1:  # a linear layer's (C,) output: one sample
+            a = a[None]
         if acc is None:
-            acc = Moments(rows.shape[1], full=False)
-        acc.update(rows)
+            acc = Moments(a.shape[axis], full=False)
+        acc.update_axis(a, axis)  # no transposed float64 copy (was 2/3 of a repair)
     return acc
 
 
 def dense_moments(model, layers, batches, providers, threads) -> dict[str, Moments]:
-    """{node name: output moments} of ``layers`` of ``model`` over ``batches`` (one pass)."""
+    """{node name: output moments} of ``layers`` of ``model`` over ``batches`` (one pass,
+    folded batch by batch: only one batch's outputs are held)."""
     if not layers:
         return {}
     names = [la.output for la in layers]
     runner = OrtRunner(expose_tensors(model, names), providers=providers, threads=threads)
-    outs = [runner.run(b, names) for b in batches]
-    return {la.node_name: output_moments(la, [o[la.output] for o in outs]) for la in layers}
+    acc: dict = {la.node_name: None for la in layers}
+    for b in batches:
+        out = runner.run(b, names)
+        for la in layers:
+            acc[la.node_name] = output_moments(la, [out[la.output]], acc[la.node_name])
+    return acc
 
 
 def has_layer_norm(index: GraphIndex) -> bool:

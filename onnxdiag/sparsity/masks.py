@@ -33,7 +33,16 @@ def magnitude_order(weight: np.ndarray) -> np.ndarray:
     weight = np.asarray(weight)
     # float32 holds |w| of float16 / float32 weights exactly (and sorts faster than float64)
     dtype = np.float64 if weight.dtype == np.float64 else np.float32
-    return np.argsort(-np.abs(weight.astype(dtype, copy=False)).ravel(), kind="stable")
+    mag = np.abs(weight.astype(dtype, copy=False)).ravel()
+    if dtype == np.float32 and mag.size < 2 ** 32 and not np.isnan(mag).any():
+        # One unstable sort of unique 64-bit keys (SIMD-sorted, ~10x a stable argsort):
+        # the bits of |w| (monotone for float32 ≥ 0) flipped for descending order, above
+        # the flat index for the ties; the low 32 bits are then the order.
+        keys = (np.uint64(0xFFFFFFFF) - mag.view(np.uint32).astype(np.uint64)) << np.uint64(32)
+        keys |= np.arange(mag.size, dtype=np.uint64)
+        keys.sort()
+        return (keys & np.uint64(0xFFFFFFFF)).astype(np.int64)
+    return np.argsort(-mag, kind="stable")
 
 
 def magnitude_mask(weight: np.ndarray, sparsity: float | None = None, *,

@@ -40,6 +40,7 @@ import onnx
 from ..errors import DataError, OnnxDiagError
 from ..graph import GraphIndex
 from ..model.edit import ModelEditor
+from ..runtime.progress import progress
 from ..stats import Moments
 from .fold import (  # noqa: F401 - LayerRepair, cr_alpha, channel_rows re-exported
     CR_EPS,
@@ -102,7 +103,8 @@ def parse_method(method: str) -> tuple[str | None, bool]:
 def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *,
                  method: str = "cr+bn", alpha_cap: float = 100.0, n_images: int | None = None,
                  recalibrate: str = "affected", providers=None, threads: int | None = None,
-                 ls: LSSettings | None = None) -> tuple[onnx.ModelProto, RepairRecord]:
+                 ls: LSSettings | None = None, label: str | None = None
+                 ) -> tuple[onnx.ModelProto, RepairRecord]:
     """Prune ``model`` with ``masks`` and repair it on calibration data (METHODS §C1).
 
     Args:
@@ -113,6 +115,8 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
         method: one of ``METHODS``; alpha_cap: CR's cap on α (**our default** 100).
         ls: the :class:`~onnxdiag.sparsity.ls_repair.LSSettings` of ``ls`` / ``ls+bn``
             (default ``LSSettings()``).
+        label: a progress bar with an ETA (stderr, a terminal only) over the sequential
+            pass's layers and BNs; None: silent.
 
     Returns the repaired copy (``model`` is never modified; masks and repairs are one
     edit, checked once by ``ModelEditor.finish``) and its :class:`RepairRecord`, whose
@@ -137,7 +141,7 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
     dense = dense_moments(model, plan.dense_layers, batches, providers, threads)
     done_layers, done_bns, passes["segments"] = _sequential(
         editor, batches, plan.layers, dense, plan.bns, cr_kind, plan.affine, alpha_cap,
-        providers, threads)
+        providers, threads, label)
     return editor.finish(), RepairRecord(method, alpha_cap, recalibrate, n, done_layers,
                                          done_bns, passes, plan.notes)
 
@@ -233,7 +237,7 @@ def repair_notes(model: onnx.ModelProto, layers, methods) -> list[str]:
 
 
 def _sequential(editor, batches, layers, dense, bns, cr_kind, affine, alpha_cap,
-                providers, threads) -> tuple[dict, dict, int]:
+                providers, threads, label=None) -> tuple[dict, dict, int]:
     """Repair ``layers`` (to ``dense`` moments; ``affine`` {name: bool}) and recalibrate
     ``bns`` of the model in ``editor`` in topological order, each measured with the
     upstream repairs in place; returns (LayerRepair per layer, BNRepair per BN, sessions)."""
@@ -241,7 +245,7 @@ def _sequential(editor, batches, layers, dense, bns, cr_kind, affine, alpha_cap,
     items = sorted([(seg.position(la.output), 0, i) for i, la in enumerate(layers)]
                    + [(seg.position(b.input[0]), 1, i) for i, b in enumerate(bns)])
     done_layers, done_bns = {}, {}
-    for pos, kind, i in items:
+    for pos, kind, i in progress(items, len(items), label) if label else items:
         tensor = layers[i].output if kind == 0 else bns[i].input[0]
         seg.run_to(pos, keep=[tensor])
         if kind == 0:

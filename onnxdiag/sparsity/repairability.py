@@ -39,6 +39,7 @@ from ..graph import GraphIndex
 from ..model.expose import expose_channels_last, expose_tensors
 from ..report.json import to_jsonable as jsonable
 from ..runtime.executor import raise_failures
+from ..runtime.progress import progress
 from ..runtime.runner import OrtRunner
 from .rr_layer import (  # noqa: F401 - PairMoments, distortions, … re-exported
     GRAM_MAX_ENTRIES,
@@ -113,7 +114,7 @@ class RRCurves:
 def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int = 64,
                       eps: float = 1e-12, providers=None, threads: int | None = None,
                       strategy: str = "auto", positions: int | str | None = DEFAULT_POSITIONS,
-                      seed: int = 0, executor=None) -> RRCurves:
+                      seed: int = 0, executor=None, label: str | None = None) -> RRCurves:
     """RR curves of ``layers`` (prunable :class:`~onnxdiag.graph.Layer` records) (METHODS §C2).
 
     Args:
@@ -128,6 +129,7 @@ def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int
             ``in_process``, after the capture pass each layer's folding runs as one unit
             there (one Ray task per layer, its captured inputs shipped once); None (or an
             in-process one) folds batch by batch in this process. Same result.
+        label: progress bars with an ETA (stderr, a terminal) of the capture and layers.
 
     Cost: one ONNX Runtime pass exposing the layers' inputs, then per batch and layer one
     im2col (of the sampled positions only) and either (``strategy``) ``incremental``: the
@@ -158,11 +160,12 @@ def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int
             plan["gram_dtype"] = np.float32
     here = executor is None or executor.in_process
     captured, seen = _capture(model, index, layers, plans, source, n_images, positions,
-                              fold=here, providers=providers, threads=threads)
+                              fold=here, providers=providers, threads=threads, label=label)
     if here:
-        folded = [finish_layer(plan) for plan in plans]
+        todo = progress(plans, len(plans), f"{label}: layers") if label else plans
+        folded = [finish_layer(plan) for plan in todo]
     else:
-        folded = _fold_on(executor, layers, plans, captured)
+        folded = _fold_on(executor, layers, plans, captured, label)
     d = np.array([f[0] for f in folded])
     d_raw, d_rep = d[..., 0], d[..., 1]
     return RRCurves(tuple(la.node_name for la in layers), grid, d_raw, d_rep,
@@ -172,28 +175,35 @@ def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int
 
 def _capture_session(model, index: GraphIndex, layers, positions, providers, threads):
     """(runner, tensors to fetch, {layer input: its channels-last copy}) of the pass that
-    exposes every layer's dense input."""
+    exposes every layer's dense input. A tensor that only sampled convs read is fetched
+    channels-last alone (its NCHW layout is then a view of that copy: one copy out of
+    ONNX Runtime's blocked layout instead of two)."""
     inputs = list(dict.fromkeys(la.input for la in layers))
-    exposed = [t for t in inputs if t not in index.inputs]
+    last_of = {} if positions is None else {
+        la.input: len(la.kernel) + 2 for la in layers if la.op_type == "Conv"}
+    nchw = {la.input for la in layers if la.input not in last_of}
+    exposed = [t for t in inputs if t not in index.inputs and (t in nchw or t not in last_of)]
     capture = expose_tensors(model, exposed) if exposed else model
     last = {}
-    if positions is not None:  # sampled convs gather C-vectors from a channels-last copy
-        capture, last = expose_channels_last(
-            capture, {la.input: len(la.kernel) + 2 for la in layers if la.op_type == "Conv"},
-            tag="rr_channels_last")
+    if last_of:  # sampled convs gather C-vectors from a channels-last copy
+        capture, last = expose_channels_last(capture, last_of, tag="rr_channels_last")
     runner = OrtRunner(capture, providers=providers, threads=threads)
     return runner, exposed + list(last.values()), last
 
 
 def _capture(model, index, layers, plans, source, n_images, positions, *, fold: bool,
-             providers, threads) -> tuple[list[list], int]:
+             providers, threads, label=None) -> tuple[list[list], int]:
     """One pass over the first ``n_images`` samples: each batch's layer inputs folded into
     the plans (``fold``) or kept per layer for the units. Returns (kept batches per layer,
     samples seen)."""
     runner, fetch, last = _capture_session(model, index, layers, positions, providers, threads)
     captured: list[list] = [[] for _ in layers]
     seen = 0
-    for feeds in _feed_batches(source):
+    batches = _feed_batches(source)
+    if label:  # advances by images, so the bar's ETA holds for any batch size
+        batches = progress(batches, n_images, f"{label}: capture",
+                           step=lambda f: min(_batch_len(f), n_images))
+    for feeds in batches:
         take = min(n_images - seen, _batch_len(feeds))
         if take <= 0:
             break
@@ -201,6 +211,8 @@ def _capture(model, index, layers, plans, source, n_images, positions, *, fold: 
         outs = runner.run(feeds, fetch) if fetch else {}
         outs.update(feeds)
         images = np.arange(seen, seen + take)
+        for t, copy in last.items():  # NCHW views of the channels-last copies
+            outs.setdefault(t, np.moveaxis(outs[copy], -1, 1))
         for i, (la, plan) in enumerate(zip(layers, plans)):
             batch = (outs[la.input], images, outs.get(last.get(la.input)))
             if fold:
@@ -213,11 +225,12 @@ def _capture(model, index, layers, plans, source, n_images, positions, *, fold: 
     return captured, seen
 
 
-def _fold_on(executor, layers, plans, captured) -> list:
+def _fold_on(executor, layers, plans, captured, label=None) -> list:
     """Each layer's folding as one unit of ``executor``; every layer is needed."""
     folded = [None] * len(plans)
     errors = {}
-    for i, result, error in executor.map(layer_unit, list(zip(plans, captured)), ()):
+    for i, result, error in executor.map(layer_unit, list(zip(plans, captured)), (),
+                                         label=label and f"{label}: layers"):
         if error is not None:
             errors[i] = error
         folded[i] = result

@@ -141,35 +141,47 @@ def plan_layer(index: GraphIndex, layer, grid, strategy: str = "auto") -> dict:
         strategy = choose_strategy(layer.n_out, n_cols // groups, groups, len(grid))
     if strategy == "gram":
         return _gram_plan(op, w, order, rows, cols, n_cols, groups, grid, layer.n_out)
-    values = w.ravel()[order]
-    steps, previous = [], w.size
-    for s in grid:
-        kept = w.size - prune_count(w.size, s)
-        part = slice(kept, previous)
-        steps.append(None if kept >= previous else sparse.csr_matrix(
-            (values[part], (rows[part], cols[part])), shape=(layer.n_out, n_cols)))
-        previous = min(previous, kept)
+    steps = _steps(w.ravel()[order], rows, cols, w.size, grid, (layer.n_out, n_cols))
     return {"mode": "incremental", "op": op, "kernel": tuple(w.shape[2:]),
             "dense": weight_matrix(op, w), "steps": steps, "n": int(w.size),
             "acc": [PairMoments(layer.n_out) for _ in grid]}
 
 
 def _gram_plan(op, w, order, rows, cols, n_cols, groups, grid, n_out) -> dict:
-    """Dense per-channel weight rows (C, K) in column order, the removed rows per level
-    (n_levels, C, K), float64; accumulators of the shifted column moments per group."""
+    """Dense per-channel weight rows (C, K) in column order and accumulators of the shifted
+    column moments per group; the weights removed per level as sparse (C, K) steps (one
+    group), or as dense removed rows (n_levels, C, K) for grouped convs (K small)."""
     k = n_cols // groups
     dense = np.zeros((n_out, k))
     values = w.ravel()[order].astype(np.float64)
     dense[rows, cols % k] = values
+    plan = {"mode": "gram", "op": op, "kernel": tuple(w.shape[2:]), "n": int(w.size),
+            "groups": groups, "group_of": np.arange(n_out) // (n_out // groups),
+            "dense_rows": dense, "shift": None,
+            "gram": np.zeros((groups, k, k)), "sums": np.zeros((groups, k)), "count": 0,
+            "acc": [PairMoments(n_out) for _ in grid]}
+    if groups == 1:
+        plan["steps"] = _steps(values, rows, cols, w.size, grid, (n_out, k))
+        return plan
     removed = np.zeros((len(grid), n_out, k))
     for j, s in enumerate(grid):
         kept = w.size - prune_count(w.size, s)
         removed[j, rows[kept:], cols[kept:] % k] = values[kept:]
-    return {"mode": "gram", "op": op, "kernel": tuple(w.shape[2:]), "n": int(w.size),
-            "groups": groups, "group_of": np.arange(n_out) // (n_out // groups),
-            "dense_rows": dense, "removed_rows": removed, "shift": None,
-            "gram": np.zeros((groups, k, k)), "sums": np.zeros((groups, k)), "count": 0,
-            "acc": [PairMoments(n_out) for _ in grid]}
+    plan["removed_rows"] = removed
+    return plan
+
+
+def _steps(values, rows, cols, size: int, grid, shape) -> list:
+    """Per grid level, the weights removed since the previous level as a sparse (C, K)
+    matrix (None when nothing more is removed)."""
+    steps, previous = [], size
+    for s in grid:
+        kept = size - prune_count(size, s)
+        part = slice(kept, previous)
+        steps.append(None if kept >= previous else sparse.csr_matrix(
+            (values[part], (rows[part], cols[part])), shape=shape))
+        previous = min(previous, kept)
+    return steps
 
 
 def _fold_gram(plan: dict, cols: np.ndarray, own: bool = False) -> None:
@@ -197,8 +209,11 @@ def _fold_gram(plan: dict, cols: np.ndarray, own: bool = False) -> None:
 
 def _finish_gram(plan: dict) -> None:
     """Fill each level's PairMoments from the column covariance Σ and mean μ (METHODS §C2 moments
-    of a = y^d = Wx and b = y^d − y^p = W_r x are quadratic forms: Var a = wᵀΣw, …): per
-    level one batched (C, K) × (K, K) product per group, O(C·K²), no pass over samples."""
+    of a = y^d = Wx and b = y^d − y^p = W_r x are quadratic forms: Var a = wᵀΣw, …), no pass
+    over samples. One group: R_l Σ grown level by level from the sparse steps (R_l = R_{l−1}
+    + Δ_l, so R_l Σ = R_{l−1} Σ + Δ_l Σ: the removed weights times K in all, not
+    levels·C·K²), then per level Var b = rowsum(R_l ⊙ R_l Σ), Cov(a, b) = rowsum(W ⊙ R_l Σ);
+    grouped convs: one batched (C, K) × (K, K) product per level and group."""
     n = plan["count"]
     g = plan["groups"]
     centred = plan["sums"] / n
@@ -209,18 +224,36 @@ def _finish_gram(plan: dict) -> None:
     wg = w.reshape(g, c // g, k)
     var_d = np.einsum("gok,gok->go", wg, wg @ cov).ravel()
     mean_a = np.einsum("gok,gk->go", wg, mean).ravel()
-    rem = plan["removed_rows"].reshape(-1, g, c // g, k)
-    srem = rem @ cov  # (levels, g, C/g, K)
-    s_bb = np.einsum("lgok,lgok->lgo", rem, srem).reshape(len(rem), c)
-    s_ab = np.einsum("gok,lgok->lgo", wg, srem).reshape(len(rem), c)
-    mean_b = np.einsum("lgok,gk->lgo", rem, mean).reshape(len(rem), c)
-    for j, acc in enumerate(plan["acc"]):
+    if g == 1:
+        levels = _levels_from_steps(plan["steps"], w, cov[0], mean[0])
+    else:
+        rem = plan["removed_rows"].reshape(-1, g, c // g, k)
+        srem = rem @ cov  # (levels, g, C/g, K)
+        levels = zip(np.einsum("lgok,lgok->lgo", rem, srem).reshape(len(rem), c),
+                     np.einsum("gok,lgok->lgo", wg, srem).reshape(len(rem), c),
+                     np.einsum("lgok,gk->lgo", rem, mean).reshape(len(rem), c))
+    for acc, (s_bb, s_ab, mean_b) in zip(plan["acc"], levels):
         acc.n = n
         acc.s_aa = n * var_d
-        acc.s_bb = n * s_bb[j]
-        acc.s_ab = n * s_ab[j]
+        acc.s_bb = n * s_bb
+        acc.s_ab = n * s_ab
         acc.mean_a = mean_a.copy()
-        acc.mean_b = mean_b[j]
+        acc.mean_b = mean_b
+
+
+def _levels_from_steps(steps, w, cov, mean):
+    """Per level (Var b, Cov(a, b), mean b) of one group, R_l Σ grown from the steps."""
+    removed = np.zeros_like(w)
+    r_cov = np.zeros_like(w)  # R_l Σ
+    mean_b = np.zeros(w.shape[0])
+    for step in steps:
+        if step is not None:
+            r_cov += step @ cov  # sparse × dense: nnz(Δ_l)·K
+            coo = step.tocoo()
+            removed[coo.row, coo.col] += coo.data
+            mean_b = mean_b + step @ mean
+        yield (np.einsum("ck,ck->c", removed, r_cov), np.einsum("ck,ck->c", w, r_cov),
+               mean_b.copy())
 
 
 def _coordinates(op, shape, flat) -> tuple[np.ndarray, np.ndarray, int]:

@@ -156,6 +156,7 @@ class Pruner:
     providers: object = None
     threads: int | None = None
     ls: object = None  # LSSettings of the ls repairs (METHODS §E1); None: the defaults
+    label: str | None = None  # progress bars of each repair's sequential pass (None: none)
 
     def __post_init__(self):
         self.keep_dense = tuple(self.keep_dense)
@@ -183,7 +184,8 @@ class Pruner:
         masks = make_masks(allocation, self.weights) if masks is None else masks
         return repair_model(self.model, self.structure, masks, self.calib, method=method,
                             alpha_cap=self.alpha_cap, recalibrate=self.recalibrate,
-                            providers=self.providers, threads=self.threads, ls=self.ls)
+                            providers=self.providers, threads=self.threads, ls=self.ls,
+                            label=self.label and f"{self.label} ({method})")
 
     def logits(self, model, runner=None) -> np.ndarray:
         """Head logits of ``model`` on the calibration set."""
