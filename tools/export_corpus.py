@@ -42,7 +42,11 @@ sys.path.insert(0, str(ROOT / "tests"))  # the export builders live with the tes
 VERBS = ("inspect", "readouts", "analyze", "select", "channels", "lesion", "orthogonality",
          "rr", "prune", "sweep", "prune-channels", "prune-sweep")
 #: extra columns: a verb with options that take other code paths (added to its settings)
-VARIANTS = ("prune --sparse-initializers", "prune-channels --recalibrate-bn --no-fold-bn")
+VARIANTS = ("prune --sparse-initializers", "prune-channels --recalibrate-bn --no-fold-bn",
+            "prune --repair ls", "sweep --repairs ls+bn,ls",
+            "prune-channels --reconstruct --score recon", "prune-channels --score wanda",
+            "prune-sweep --scores recon,wanda --reconstruct", "select --prune 0.5",
+            "select --prune-channels 0.25 --repair reconstruct+bn")
 SMOKE_MODELS = ("torch_resnet", "hf_gpt2", "qdq_int8")
 SMOKE_VERBS = ("inspect", "prune", "prune-channels")
 EMITS = {"prune": "pruned.onnx", "prune-channels": "narrow.onnx"}  # the -o of each verb
@@ -182,6 +186,8 @@ def command(column: str, m: Model, out: Path) -> list[str]:
         "prune-sweep": [m.path, "--ratios", "0.5", "--scores", "magnitude,two_axis", *both,
                         *report],
     }[verb]
+    if verb == "select" and {"--prune", "--prune-channels"} & set(extra):
+        extra = [*extra, "--write-pruned", str(out / "pruned")]  # its models get checked
     return [verb, *map(str, args), *extra]
 
 
