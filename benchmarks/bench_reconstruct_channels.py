@@ -117,8 +117,9 @@ def cost(sizes=(1000, 4000), rounds=5) -> None:
     calibration images, tiled)."""
     print("\n### Cost on models/sample (50 % magnitude plan, batch 256; interleaved, median of "
           f"{rounds})\n")
-    print("| calibration images | dense pass s | reconstruction s | × dense pass |")
-    print("|---|---|---|---|")
+    print("| calibration images | dense pass s | reconstruction s | × dense pass | "
+          "NumPy-sampled rows s | × dense pass |")
+    print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="bench-recon-") as tmp:
         with np.load(SAMPLE / "calib.npz") as z:
             x, y = z["input"], z["labels"]
@@ -127,32 +128,39 @@ def cost(sizes=(1000, 4000), rounds=5) -> None:
             path = Path(tmp) / f"calib_{n}.npz"
             np.savez(path, input=np.concatenate([x] * reps)[:n],
                      labels=np.concatenate([y] * reps)[:n])
-            d, r, record = _cost_one(path, rounds)
-            print(f"| {n} | {d:.3f} | {r:.3f} | {r / d:.2f} |")
+            d, r, r_np, record = _cost_one(path, rounds)
+            print(f"| {n} | {d:.3f} | {r:.3f} | {r / d:.2f} | {r_np:.3f} | {r_np / d:.2f} |")
             check(record["mean_error_after"] < record["mean_error_before"],
                   "reconstruction lowers the mean consumer output error")
 
 
 def _cost_one(calib_path, rounds):
+    """(dense s, reconstruction s, the same with NumPy sampling s, record): medians of
+    ``rounds`` interleaved rounds."""
     from onnxdiag.runtime.runner import OrtRunner
-    from onnxdiag.structured.choice import consumer_moments
-    from onnxdiag.structured.reconstruct import prune_reconstructed
+    from onnxdiag.structured.reconstruct import (
+        collect_input_moments,
+        consumer_sites,
+        prune_reconstructed,
+    )
 
     m, s, calib, _ = _setup(SAMPLE / "model.onnx", calib_path, SAMPLE / "eval.npz",
                             eval_limit=10, batch_size=256)
     plan = _plan(m, s, "magnitude", 0.5, None)
     runner = OrtRunner(m)
-    dense_t, recon_t = [], []
+    times = {"dense": [], True: [], False: []}
     for _ in range(rounds):
         t0 = time.perf_counter()
         for batch in calib.batches():
             runner.run(batch.feeds)
-        dense_t.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        moments = consumer_moments(m, s, calib)
-        _, _, record = prune_reconstructed(m, s, plan.removed, moments)
-        recon_t.append(time.perf_counter() - t0)
-    return statistics.median(dense_t), statistics.median(recon_t), record.to_dict()
+        times["dense"].append(time.perf_counter() - t0)
+        for in_graph in (True, False):
+            t0 = time.perf_counter()
+            moments = collect_input_moments(m, consumer_sites(s), calib, in_graph=in_graph)
+            _, _, record = prune_reconstructed(m, s, plan.removed, moments)
+            times[in_graph].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return med["dense"], med[True], med[False], record.to_dict()
 
 
 # -- recovery ---------------------------------------------------------------------------------
