@@ -150,7 +150,9 @@ def collect_input_moments(model: onnx.ModelProto, sites: Mapping[str, ConsumerSi
         return {}
     exposed, wanted, inputs, convs, gathered = _moments_graph(model, tensors, positions,
                                                               in_graph)
-    runner = OrtRunner(exposed, providers=providers)
+    # threads that sleep between runs leave the cores to the moment updates (1.7 → 1.2 ×
+    # a dense pass on 4,000 images, benchmarks/RESULTS.md)
+    runner = OrtRunner(exposed, providers=providers, spinning=False)
     moments = {t: Moments(s.n_in) for t, s in tensors.items()}
     extra = (lambda idx: position_feeds(inputs, positions, seed, idx)) if inputs else None
     with single_threaded_blas():  # small products between ORT runs on the same cores
