@@ -101,8 +101,12 @@ def ls_sequential(editor: ModelEditor, dense_model, batches: list[dict], layers,
 
 def _ls_pass(editor, dense_model, batches, layers, masks, bns, affected, settings, providers,
              threads) -> tuple[dict, dict, int]:
-    seg_p = SegmentedPass(editor.model, batches, providers=providers, threads=threads)
-    seg_d = SegmentedPass(dense_model, batches, providers=providers, threads=threads)
+    # ORT threads sleep between runs: the Gram updates run between them on the same cores
+    # (19 vs 25 x a dense pass at all positions, benchmarks/RESULTS.md)
+    seg_p = SegmentedPass(editor.model, batches, providers=providers, threads=threads,
+                          spinning=False)
+    seg_d = SegmentedPass(dense_model, batches, providers=providers, threads=threads,
+                          spinning=False)
     dense_index = GraphIndex(dense_model)
     items = sorted([(seg_p.position(la.input), 0, i) for i, la in enumerate(layers)]
                    + [(seg_p.position(b.input[0]), 1, i) for i, b in enumerate(bns)])

@@ -43,7 +43,7 @@ class SegmentedPass:
         model: the model to run; the caller may edit its initializers between segments
             (only nodes not yet executed see the edit).
         batches: a list of feed dicts (the calibration set, in memory).
-        providers, threads, optimization: see :class:`~onnxdiag.runner.OrtRunner`.
+        providers, threads, optimization, spinning: see :class:`~onnxdiag.runner.OrtRunner`.
 
     Edits may change initializers and rewire node inputs to new initializers (as
     :func:`~onnxdiag.sparsity.masks.set_input_constant` does); each segment reads its
@@ -54,11 +54,13 @@ class SegmentedPass:
     """
 
     def __init__(self, model: onnx.ModelProto, batches: list[dict], *, providers=None,
-                 threads: int | None = None, optimization: str = "all"):
+                 threads: int | None = None, optimization: str = "all",
+                 spinning: bool = True):
         self.model = model
         self.index = GraphIndex(model)
         self.batches = batches
-        self.options = dict(providers=providers, threads=threads, optimization=optimization)
+        self.options = dict(providers=providers, threads=threads, optimization=optimization,
+                            spinning=spinning)
         self.reads = [node_reads(n) for n in self.index.nodes]
         self.last_use: dict[str, int] = {}
         for pos, names in enumerate(self.reads):

@@ -32,6 +32,7 @@ from ..graph import GraphIndex, Structure
 from ..graph._records import jsonable
 from ..model.edit import ModelEditor
 from ..stats import Moments
+from .rows import expose_sampled_rows, gatherable, position_feeds
 
 #: λ = DEFAULT_RIDGE · mean diag Σ_SS (docs/METHODS.md §E2, our default).
 DEFAULT_RIDGE = 0.01
@@ -134,36 +135,56 @@ DEFAULT_POSITIONS = 16
 
 def collect_input_moments(model: onnx.ModelProto, sites: Mapping[str, ConsumerSite], batches,
                           *, providers=None, positions: int | None = DEFAULT_POSITIONS,
-                          seed: int = 0) -> dict[str, Moments]:
+                          seed: int = 0, in_graph: bool = True) -> dict[str, Moments]:
     """{input tensor: Moments over its channels} of the ``sites``' inputs in one pass over
     ``batches`` (a list of feed dicts or a DataSource): every token of a linear
     consumer's input is a sample; of a conv consumer's, ``positions`` seeded positions
-    per image (docs/METHODS.md §B1's draw; None: every position). Never modifies
+    per image (docs/METHODS.md §B1's draw; None: every position). Where a conv input's
+    spatial size is static the graph gathers the sampled rows itself (:mod:`.rows`; the
+    same rows; ``in_graph=False``: exposed whole and sampled in NumPy). Never modifies
     ``model``."""
-    from ..model.expose import expose_channels_last, expose_tensors
     from ..runtime.runner import OrtRunner, single_threaded_blas
 
     tensors = {s.tensor: s for s in sites.values() if s.skip is None}
     if not tensors:
         return {}
-    index = GraphIndex(model)
-    ranks = {t: index.rank(t) for t, s in tensors.items() if s.channels_axis == 1}
-    convs = {t: r for t, r in ranks.items() if r is not None and r > 2}
-    # conv inputs channels-last: ORT folds the Transpose into its blocked layout's reorder
-    exposed, names = expose_channels_last(model, convs, tag="recon")
-    linear = [t for t in tensors if t not in convs]
-    exposed = expose_tensors(exposed, linear) if linear else exposed
-    runner = OrtRunner(exposed, providers=providers)
-    wanted = {t: names.get(t, t) for t in tensors}
+    exposed, wanted, inputs, convs, gathered = _moments_graph(model, tensors, positions,
+                                                              in_graph)
+    # threads that sleep between runs leave the cores to the moment updates (1.7 → 1.2 ×
+    # a dense pass on 4,000 images, benchmarks/RESULTS.md)
+    runner = OrtRunner(exposed, providers=providers, spinning=False)
     moments = {t: Moments(s.n_in) for t, s in tensors.items()}
+    extra = (lambda idx: position_feeds(inputs, positions, seed, idx)) if inputs else None
     with single_threaded_blas():  # small products between ORT runs on the same cores
-        for indices, out in _stream(runner, batches, list(wanted.values())):
+        for indices, out in _stream(runner, batches, list(wanted.values()), extra):
             for t, s in tensors.items():
                 x = out[wanted[t]]
                 rows = _sampled(x, positions, seed, indices) if t in convs else \
-                    channel_rows(x, s.channels_axis)
+                    x.reshape(-1, s.n_in) if t in gathered else channel_rows(x, s.channels_axis)
                 moments[t].update(rows)
     return moments
+
+
+def _moments_graph(model, tensors, positions, in_graph):
+    """(graph, {tensor: its output}, {positions input: spatial size}, {conv input sampled
+    in NumPy: rank}, {conv input gathered in the graph}) for :func:`collect_input_moments`."""
+    from ..model.expose import expose_channels_last, expose_tensors
+
+    index = GraphIndex(model)
+    ranks = {t: index.rank(t) for t, s in tensors.items() if s.channels_axis == 1}
+    convs = {t: r for t, r in ranks.items() if r is not None and r > 2}
+    sizes = {t: gatherable(index, t, tensors[t].n_in, positions) for t in convs} \
+        if in_graph else {}
+    gathered = {t: (convs.pop(t), n, tensors[t].n_in) for t, n in sizes.items() if n}
+    # conv inputs channels-last: ORT folds the Transpose into its blocked layout's reorder
+    exposed, names = expose_channels_last(model, convs, tag="recon")
+    inputs = {}
+    if gathered:
+        exposed, rows, inputs = expose_sampled_rows(exposed, gathered, tag="recon_rows")
+        names.update(rows)
+    linear = [t for t in tensors if t not in convs and t not in gathered]
+    exposed = expose_tensors(exposed, linear) if linear else exposed
+    return exposed, {t: names.get(t, t) for t in tensors}, inputs, convs, set(gathered)
 
 
 def _sampled(x: np.ndarray, positions: int | None, seed: int, indices) -> np.ndarray:
@@ -178,17 +199,21 @@ def _sampled(x: np.ndarray, positions: int | None, seed: int, indices) -> np.nda
     return flat[np.arange(flat.shape[0])[:, None], picked].reshape(-1, x.shape[-1])
 
 
-def _stream(runner, batches, names):
-    """(sample indices, outputs) per batch."""
+def _stream(runner, batches, names, extra=None):
+    """(sample indices, outputs) per batch; ``extra(indices)``: feeds added to each."""
+    def feeds_of(feeds, indices):
+        return {**feeds, **extra(indices)} if extra is not None else feeds
+
     if isinstance(batches, list):
         seen = 0
         for feeds in batches:
             n = len(next(iter(feeds.values())))
-            yield np.arange(seen, seen + n), runner.run(feeds, names)
+            indices = np.arange(seen, seen + n)
+            yield indices, runner.run(feeds_of(feeds, indices), names)
             seen += n
     else:
-        for batch, out in runner.stream(batches, names):
-            yield batch.indices, out
+        for batch in batches.batches():
+            yield batch.indices, runner.run(feeds_of(batch.feeds, batch.indices), names)
 
 
 def channel_rows(x: np.ndarray, axis: int) -> np.ndarray:
