@@ -120,17 +120,8 @@ def recon_scores(model, structure: Structure, moments: Mapping[str, Moments], *,
     """Group-level scores ({group id: (n,)}, higher = keep): each channel's rank in the
     greedy elimination order of its group; groups without a reconstructible consumer are
     left out (named in the notes)."""
-    from ..graph import GraphIndex
-
-    index = GraphIndex(model)
     out, missing = {}, []
-    for group in structure.groups:
-        if not group.prunable:
-            continue
-        consumers = _group_consumers(structure, group.group_id, index.get_constant, moments)
-        if not consumers:
-            missing.append(str(group.group_id))
-            continue
+    for group, consumers in _reconstructible_groups(model, structure, moments, missing):
         order, _ = greedy_elimination(consumers, group.n_channels, ridge=ridge)
         score = np.full(group.n_channels, float(len(order)))  # the survivor
         score[order] = np.arange(len(order), dtype=float)
@@ -142,17 +133,8 @@ def wanda_scores(model, structure: Structure, moments: Mapping[str, Moments]
                  ) -> tuple[dict[int, np.ndarray], list[str]]:
     """Wanda-style group scores: Σ over the consumers' weights reading each channel of
     |W| · ‖X‖ (‖X‖ = the input's root mean square), higher = keep."""
-    from ..graph import GraphIndex
-
-    index = GraphIndex(model)
     out, missing = {}, []
-    for group in structure.groups:
-        if not group.prunable:
-            continue
-        consumers = _group_consumers(structure, group.group_id, index.get_constant, moments)
-        if not consumers:
-            missing.append(str(group.group_id))
-            continue
+    for group, consumers in _reconstructible_groups(model, structure, moments, missing):
         score = np.zeros(group.n_channels)
         for mo, w, layout, feats in consumers:
             w = np.abs(np.asarray(w, np.float64))
@@ -162,3 +144,19 @@ def wanda_scores(model, structure: Structure, moments: Mapping[str, Moments]
             score += (per_input * rms)[feats].sum(axis=1)
         out[group.group_id] = score
     return out, missing
+
+
+def _reconstructible_groups(model, structure: Structure, moments, missing: list):
+    """(group, its consumers) of every prunable group with a reconstructible consumer;
+    the ids of the others are appended to ``missing``."""
+    from ..graph import GraphIndex
+
+    index = GraphIndex(model)
+    for group in structure.groups:
+        if not group.prunable:
+            continue
+        consumers = _group_consumers(structure, group.group_id, index.get_constant, moments)
+        if consumers:
+            yield group, consumers
+        else:
+            missing.append(str(group.group_id))
