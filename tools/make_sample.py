@@ -272,8 +272,6 @@ def export_onnx(model, path: Path, opset: int, meta: dict[str, str], *,
 def verify_onnx(path: Path, model, x: np.ndarray, n_bn: int, tol: float = 1e-4) -> float:
     """full_check, BN present, no Identity, ORT == torch for len(x) and 1 image; max |diff|."""
     import onnx
-    import onnxruntime as ort
-    import torch
 
     proto = onnx.load(str(path))
     onnx.checker.check_model(proto, full_check=True)
@@ -283,12 +281,20 @@ def verify_onnx(path: Path, model, x: np.ndarray, n_bn: int, tol: float = 1e-4) 
     if ops.count("BatchNormalization") != n_bn:
         raise RuntimeError(f"{path}: expected {n_bn} BatchNormalization nodes, found "
                            f"{ops.count('BatchNormalization')} (BN was folded?)")
+    return ort_matches_torch(path, model, x, tol)
+
+
+def ort_matches_torch(path: Path, model, x: np.ndarray, tol: float = 1e-4) -> float:
+    """ONNX Runtime's ``logits`` of the exported ``path`` equal torch ``model``'s on ``x`` and
+    on its first image alone (the batch axis is dynamic); the max |diff| (raises above tol)."""
+    import onnxruntime as ort
+    import torch
+
     so = ort.SessionOptions()
     so.intra_op_num_threads = 2
     sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    model.eval()
     with torch.no_grad():
-        ref = model(torch.from_numpy(x)).numpy()
+        ref = model.eval()(torch.from_numpy(x)).numpy()
     got = sess.run(["logits"], {"input": x})[0]
     one = sess.run(["logits"], {"input": x[:1]})[0]
     diff = max(float(np.abs(got - ref).max()), float(np.abs(one - ref[:1]).max()))

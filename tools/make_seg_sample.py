@@ -48,6 +48,7 @@ from make_sample import (  # noqa: E402  (tools/ is not a package)
     DATA_DIR,
     checkpoint_steps,
     load_fashion_mnist,
+    ort_matches_torch,
     precise_bn_copy,
     save_json,
     save_npz,
@@ -212,22 +213,12 @@ def export(model, path: Path, opset: int, meta: dict) -> None:
 def verify(path: Path, model, x: np.ndarray, tol: float = 1e-4) -> float:
     """Full ONNX check, BN kept, ONNX Runtime equals torch (batch and single image)."""
     import onnx
-    import onnxruntime as ort
-    import torch
 
     proto = onnx.load(str(path))
     onnx.checker.check_model(proto, full_check=True)
     if not any(n.op_type == "BatchNormalization" for n in proto.graph.node):
         raise RuntimeError(f"{path}: BatchNormalization was folded")
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    with torch.no_grad():
-        ref = model.eval()(torch.from_numpy(x)).numpy()
-    got = sess.run(["logits"], {"input": x})[0]
-    one = sess.run(["logits"], {"input": x[:1]})[0]
-    diff = max(float(np.abs(got - ref).max()), float(np.abs(one - ref[:1]).max()))
-    if diff > tol:
-        raise RuntimeError(f"{path}: ONNX Runtime differs from torch by {diff:.3g} > {tol}")
-    return diff
+    return ort_matches_torch(path, model, x, tol)
 
 
 # ----------------------------------------------------------------------------------------- training

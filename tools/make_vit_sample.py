@@ -135,20 +135,9 @@ def export_vit(model, path: Path, opset: int, meta: dict[str, str]) -> None:
 def verify(path: Path, model, x: np.ndarray, tol: float = 1e-4) -> float:
     """Full checker; ONNX Runtime equals torch on ``x`` and on one image; max |diff|."""
     import onnx
-    import onnxruntime as ort
-    import torch
 
     onnx.checker.check_model(onnx.load(str(path)), full_check=True)
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 2
-    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    with torch.no_grad():
-        ref = model.eval()(torch.from_numpy(x)).numpy()
-    got, one = sess.run(["logits"], {"input": x})[0], sess.run(["logits"], {"input": x[:1]})[0]
-    diff = max(float(np.abs(got - ref).max()), float(np.abs(one - ref[:1]).max()))
-    if diff > tol:
-        raise RuntimeError(f"{path}: ONNX Runtime differs from torch by {diff:.3g} > {tol}")
-    return diff
+    return cnn.ort_matches_torch(path, model, x, tol)
 
 
 def train(args, data: dict, out: Path) -> list[dict]:
