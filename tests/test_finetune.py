@@ -236,3 +236,55 @@ def test_finetune_with_a_head_named_by_its_features(training):
     assert record.logits == "logits" and "head.weight" in record.trainable  # MatMul + bias Add
     assert record.eval_loss_after < record.eval_loss_before
     assert record.export_max_abs_diff < 1e-5
+
+
+def test_transformer_with_layer_norm_fine_tunes(training):
+    """The bundled ViT (a torch.onnx export: one-output LayerNormalization nodes, which
+    onnxruntime-training 1.19's LayerNorm gradient cannot build on) fine-tunes: its first
+    loss is the model's own cross-entropy and the exported weights lower it."""
+    from onnxdiag.model.io import load_model
+
+    model = load_model("models/vit/model.onnx")
+    data = np.load("models/sample/calib.npz")
+    source = open_data({"input": data["input"][:128], "labels": data["labels"][:128]},
+                       get_input_specs(model), batch_size=BATCH)
+    tuned, record = finetune_model(model, source,
+                                   FinetuneSettings(epochs=2, max_batches=4, lr=1e-3))
+    assert record.losses[0] == pytest.approx(_cross_entropy_of(model, source, 0), abs=1e-4)
+    assert _cross_entropy_of(tuned, source) < _cross_entropy_of(model, source)
+    assert record.export_max_abs_diff < 1e-4
+
+
+def _cross_entropy_of(model: onnx.ModelProto, source, only_batch: int | None = None) -> float:
+    """Mean cross-entropy of the model's first output (logits) in plain ORT."""
+    total = n = 0.0
+    for k, batch in enumerate(source.batches()):
+        if only_batch is not None and k != only_batch:
+            continue
+        logits = next(iter(run_plain_ort(model, batch.feeds).values())).astype(np.float64)
+        logits -= logits.max(axis=1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+        total += -logp[np.arange(len(batch.labels)), batch.labels].sum()
+        n += len(batch.labels)
+    return total / n
+
+
+def test_saved_layer_norm_statistics_leave_the_outputs_unchanged():
+    """The training graph's LayerNormalizations gain their optional Mean / InvStdDev
+    outputs (what ORT's gradient reads); the model's logits stay bit-identical (main
+    environment: plain ONNX Runtime)."""
+    from onnxdiag.finetune.graph import saved_statistics
+    from onnxdiag.model.io import load_model
+
+    model = load_model("models/vit/model.onnx")
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    saved_statistics(copy)
+    norms = [n for n in copy.graph.node if n.op_type == "LayerNormalization"]
+    assert norms and all(len(n.output) == 3 for n in norms)
+    assert all(len(n.output) == 1 for n in model.graph.node
+               if n.op_type == "LayerNormalization")  # the input model is not modified
+    onnx.checker.check_model(copy, full_check=True)
+    x = np.load("models/sample/calib.npz")["input"][:64]
+    np.testing.assert_array_equal(run_plain_ort(model, {"input": x})["logits"],
+                                  run_plain_ort(copy, {"input": x})["logits"])

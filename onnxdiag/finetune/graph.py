@@ -52,12 +52,31 @@ def training_base(model: onnx.ModelProto, head) -> onnx.ModelProto:
     base = onnx.ModelProto()
     base.CopyFrom(model)
     bn_as_affine(base)
+    saved_statistics(base)
     base.graph.node.append(helper.make_node("Flatten", [head.logits], [LOGITS],
                                             name=LOGITS, axis=1))
     del base.graph.output[:]
     base.graph.output.append(helper.make_tensor_value_info(
         LOGITS, onnx.TensorProto.FLOAT, ["batch", head.n_classes]))
     return base
+
+
+#: Ops whose ORT gradient reads optional outputs an inference export leaves out (the
+#: statistics LayerNormalization saves for its backward pass): op → number of outputs.
+SAVED_OUTPUTS = {"LayerNormalization": 3, "SimplifiedLayerNormalization": 2}
+
+
+def saved_statistics(model: onnx.ModelProto) -> None:
+    """Give (in place) each LayerNormalization its optional Mean and InvStdDev outputs:
+    onnxruntime-training 1.19's LayerNormalization gradient reads them and fails on a
+    one-output node (``gradient_builder_base.h:123 … i < node_->OutputDefs().size()``),
+    as every torch.onnx export of a transformer has. Y is unchanged."""
+    for k, node in enumerate(model.graph.node):
+        wanted = SAVED_OUTPUTS.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+        if wanted and len(node.output) < wanted:
+            stem = node.name or f"{node.op_type}_{k}"
+            node.output.extend(f"{stem}/onnxdiag_saved_{i}"
+                               for i in range(len(node.output), wanted))
 
 
 def bn_as_affine(model: onnx.ModelProto) -> None:
