@@ -35,6 +35,9 @@ SMOKES = {
     "bench_reconstruct_channels.py": (None, ["| calibration images |", "| none | bn | recon |",
                                              "magnitude none | magnitude recon"]),
     "bench_passes.py": (None, ["x baseline", "plain_nospin", "prune", "peak RSS"]),
+    # the training environment of .ci/run runs it (-k finetune); the main one skips it
+    "bench_finetune_sparse.py": ("onnxruntime.training",
+                                 ["| model | S | dense | none | ls | finetune | ls+finetune |"]),
 }
 #: run by gpu_check.sh (test_gpu_check_runs_degraded_on_a_cpu_machine), not twice
 BY_GPU_CHECK = {"bench_gpu.py"}
