@@ -70,7 +70,9 @@ def _prune(model: Path, sparsity: float, repair: str, limit: int, out: Path) -> 
            "--sparsity", str(sparsity), "--allocation", "erk", "--repair", repair,
            "--data", str(SAMPLE / "calib.npz"), "--limit", str(limit),
            "--out", str(out / f"report_s{sparsity}_{repair}"), "--format", "json"]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
     return output
 
 
@@ -124,7 +126,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-ft-sparse-") as tmp:
         folder = Path(tmp)
         for name in args.models.split(","):
-            path = _model_file(name, folder)
+            (folder / name).mkdir()
+            path = _model_file(name, folder / name)
             specs = get_input_specs(load_model(path))
             train = open_data(str(SAMPLE / "calib.npz"), specs, batch_size=64)
             evaluation = open_data(str(SAMPLE / "eval.npz"), specs, batch_size=256,
@@ -132,7 +135,7 @@ def main(argv=None) -> int:
             model = load_model(path)
             dense = 100 * evaluate(model, analyze_structure(model).head, evaluation).accuracy
             for s in sparsities:
-                r = _row(name, path, s, args, (train, evaluation), folder)
+                r = _row(name, path, s, args, (train, evaluation), folder / name)
                 print(f"| {name} | {s} | {dense:.2f} | {r['none']:.2f} | {r['ls']:.2f} | "
                       f"{r['finetune']:.2f} | {r['ls+finetune']:.2f} |", flush=True)
     print("\ncheck ok: every fine-tuned model kept all of its pruned model's zero weights")
