@@ -166,5 +166,6 @@ def output_errors(w: np.ndarray, w_new: np.ndarray, w_masked: np.ndarray, b: np.
 
 def _sq_err(a, c, h_pp, h_pd, yd_sq, mu_p, mu_d, delta) -> np.ndarray:
     """E[(aᵀx_p − cᵀx_d + δ)²] per row."""
-    quad = np.einsum("ik,kl,il->i", a, h_pp, a) - 2 * np.einsum("ik,kl,il->i", a, h_pd, c)
+    # two matrix products, not a three-operand einsum (which loops: 4x the whole LS fit)
+    quad = np.sum((a @ h_pp) * a, axis=1) - 2 * np.sum((a @ h_pd) * c, axis=1)
     return quad + yd_sq + 2 * delta * (a @ mu_p - c @ mu_d) + delta * delta
