@@ -7,7 +7,8 @@ patches in NumPy is most of the cost; here the graph cuts them itself:
 
     x (N, C, H, W) → Transpose channels-last → Reshape (N, H·W, C)
       [→ Concat a zero row (N, H·W + 1, C) when the conv pads]
-      → GatherND(batch_dims=1, indices (N, k·kh·kw, 1)) → (N, k·kh·kw, C) = (N·k, kh·kw·C)
+      → Gather(axis 0) of the (N·(H·W [+ 1]), C) rows at indices (N, k·kh·kw) plus each
+        image's row offset → (N, k·kh·kw, C) = (N·k, kh·kw·C)
 
 so only the k patches per image leave the session. Their columns are tap-major (kernel
 row, kernel column, channel); :func:`channel_major` is the permutation to the order of
@@ -53,7 +54,7 @@ class ConvGeometry:
             self.dilation))
 
     def indices(self, positions: int | None, seed: int, images) -> np.ndarray:
-        """(N, k·kh·kw, 1) int64 rows of the (N, H·W + 1, C) channels-last input whose last
+        """(N, k·kh·kw) int64 rows of the (N, H·W + 1, C) channels-last input whose last
         row is zero: image i's patch elements at the positions ``draw_positions`` gives it
         (all when None); an element in the padding reads the zero row."""
         ho, wo = self.out
@@ -65,16 +66,25 @@ class ConvGeometry:
         q = ((flat % wo) * self.stride[1] - pads[1])[..., None, None] + (
             np.arange(self.kernel[1]) * self.dilation[1])[None, :]
         rows = np.where((r >= 0) & (r < h) & (q >= 0) & (q < w), r * w + q, h * w)
-        return rows.reshape(rows.shape[0], -1, 1).astype(np.int64)
+        return rows.reshape(rows.shape[0], -1).astype(np.int64)
 
     @property
     def padded(self) -> bool:
         return any(self.pads)
 
 
+#: The oldest default-domain opset whose Range the gather chain uses.
+MIN_OPSET = 11
+
+
 def conv_geometry(index: GraphIndex, layer, op: LayerOp) -> ConvGeometry | None:
-    """The :class:`ConvGeometry` of a 2-D conv ``layer`` whose input's C, H, W are static;
-    None otherwise (the NumPy path then cuts its columns)."""
+    """The :class:`ConvGeometry` of a 2-D conv ``layer`` whose input's C, H, W are static
+    (in a model of opset ≥ :data:`MIN_OPSET`); None otherwise (the NumPy path then cuts
+    its columns)."""
+    opset = next((o.version for o in index.model.opset_import if o.domain in ("", "ai.onnx")),
+                 0)
+    if opset < MIN_OPSET:
+        return None
     kernel = tuple(layer.kernel)
     shape = index.shape(layer.input)
     if op.kind != "conv" or len(kernel) != 2 or not shape or len(shape) != 4:
@@ -137,30 +147,48 @@ def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _gather_nodes(graph, base: str, tensor: str, geo: ConvGeometry, indices: str) -> str:
-    """Append the Transpose … GatherND chain of the module docstring (with a padded conv,
+    """Append the Transpose … Gather chain of the module docstring (with a padded conv,
     a zero row per image, fed as :func:`zeros_name`, is appended before the gather: cheaper
     than a Pad); returns its output name, the gathered (N, k·kh·kw, C) rows."""
     c = geo.channels
-    graph.initializer.append(numpy_helper.from_array(np.array([0, -1, c], np.int64),
-                                                     f"{base}_flat"))
+    per_image = geo.spatial[0] * geo.spatial[1] + int(geo.padded)
+    for name, value in {"flat": [0, -1, c], "rows2d": [-1, c], "zero": 0, "one": 1,
+                        "per_image": per_image, "column": [-1, 1]}.items():
+        graph.initializer.append(numpy_helper.from_array(np.array(value, np.int64),
+                                                         f"{base}_{name}"))
     output = f"{base}_columns"
     rows = f"{base}_rows"
-    graph.node.extend([
-        helper.make_node("Transpose", [tensor], [f"{base}_last"], name=f"{base}_last",
-                         perm=[0, 2, 3, 1]),
-        helper.make_node("Reshape", [f"{base}_last", f"{base}_flat"], [rows],
-                         name=f"{base}_rows")])
+    nodes = [helper.make_node("Transpose", [tensor], [f"{base}_last"], name=f"{base}_last",
+                              perm=[0, 2, 3, 1]),
+             helper.make_node("Reshape", [f"{base}_last", f"{base}_flat"], [rows],
+                              name=f"{base}_rows")]
     if geo.padded:
         zeros = zeros_name(indices)
         graph.input.append(helper.make_tensor_value_info(zeros, onnx.TensorProto.FLOAT,
                                                          [None, 1, c]))
-        graph.node.append(helper.make_node("Concat", [rows, zeros], [f"{base}_zrows"],
-                                           name=f"{base}_zrows", axis=1))
+        nodes.append(helper.make_node("Concat", [rows, zeros], [f"{base}_zrows"],
+                                      name=f"{base}_zrows", axis=1))
         rows = f"{base}_zrows"
-    graph.node.append(helper.make_node("GatherND", [rows, indices], [output],
-                                       name=f"{base}_gather", batch_dims=1))
+    # the images' row offsets from the batch itself: a batch run in pieces stays right
+    nodes += [
+        helper.make_node("Shape", [tensor], [f"{base}_shape"], name=f"{base}_shape"),
+        helper.make_node("Gather", [f"{base}_shape", f"{base}_zero"], [f"{base}_n"],
+                         name=f"{base}_n", axis=0),
+        helper.make_node("Range", [f"{base}_zero", f"{base}_n", f"{base}_one"],
+                         [f"{base}_images"], name=f"{base}_images"),
+        helper.make_node("Mul", [f"{base}_images", f"{base}_per_image"], [f"{base}_start"],
+                         name=f"{base}_start"),
+        helper.make_node("Reshape", [f"{base}_start", f"{base}_column"], [f"{base}_start2"],
+                         name=f"{base}_start2"),
+        helper.make_node("Add", [indices, f"{base}_start2"], [f"{base}_global"],
+                         name=f"{base}_global"),
+        helper.make_node("Reshape", [rows, f"{base}_rows2d"], [f"{base}_all"],
+                         name=f"{base}_all"),
+        helper.make_node("Gather", [f"{base}_all", f"{base}_global"], [output],
+                         name=f"{base}_gather", axis=0)]
+    graph.node.extend(nodes)
     graph.input.append(helper.make_tensor_value_info(indices, onnx.TensorProto.INT64,
-                                                     [None, None, 1]))
+                                                     [None, None]))
     graph.output.append(helper.make_tensor_value_info(output, onnx.TensorProto.FLOAT,
                                                       [None, None, c]))
     return output

@@ -99,13 +99,16 @@ def collect_columns(model, sources: dict[str, ColumnSource], batches: list[dict]
     # ORT threads sleep between runs: the Gram updates run between them on the same cores
     runner = OrtRunner(exposed, providers=providers, threads=threads, spinning=False)
     perm = {s.name: channel_major(s.geometry) for s in sources.values() if s.geometry}
+    sizes = [int(np.shape(next(iter(feeds.values())))[0]) for feeds in batches]
+    # every image's indices in one go (per-batch calls cost half a dense pass); image i's
+    # depend on its global index alone, so slicing them per batch changes nothing
+    extra = index_feeds(convs, settings.positions, settings.seed, np.arange(sum(sizes)))
     start = 0
-    for feeds in batches:
-        n = int(np.shape(next(iter(feeds.values())))[0])
+    for feeds, n in zip(batches, sizes):
         images = np.arange(start, start + n)
+        out = runner.run({**feeds, **{k: v[start:start + n] for k, v in extra.items()}},
+                         wanted)
         start += n
-        out = runner.run({**feeds, **index_feeds(convs, settings.positions, settings.seed,
-                                                 images)}, wanted)
         for src in sources.values():
             g = src.acc.pp.shape[0]
             if src.geometry is not None:  # tap-major; one group: the Gram is permuted below

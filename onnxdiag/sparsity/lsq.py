@@ -33,8 +33,9 @@ EXACT_MAX = 1e9
 class CrossMoments:
     """Float64 sums of the pruned / dense input columns of one layer, per group.
 
-    ``update(cols_p, cols_d)`` with columns ``(m, groups, K)``; the products are BLAS
-    products in ``dtype`` (float32: the input's precision), summed into float64.
+    ``update(cols_p, cols_d)`` with columns ``(m, groups, K)``; the products (and the
+    column sums, as products with a ones vector: 9x faster than a float64 reduction) are
+    BLAS products in ``dtype`` (float32: the input's precision), summed into float64.
     """
 
     def __init__(self, groups: int, k: int, dtype=np.float32):
@@ -49,13 +50,14 @@ class CrossMoments:
         same = cols_d is cols_p  # an input no pruning reached: x_p = x_d
         cp = np.asarray(cols_p, self.dtype)
         cd = cp if same else np.asarray(cols_d, self.dtype)
+        ones = np.ones(cp.shape[0], self.dtype)  # column sums as BLAS products, too
         for g in range(cp.shape[1]):
             a, b = cp[:, g, :], cd[:, g, :]
             aa = a.T @ a
             self.pp[g] += aa
             self.pd[g] += aa if same else a.T @ b
-            self.sum_p[g] += a.sum(axis=0, dtype=np.float64)
-            self.sum_d[g] += b.sum(axis=0, dtype=np.float64)
+            self.sum_p[g] += ones @ a
+            self.sum_d[g] += ones @ b
         self.n += cp.shape[0]
         return self
 
