@@ -124,6 +124,14 @@ def channel_major(geo: ConvGeometry) -> np.ndarray:
     return (j % taps) * geo.channels + j // taps
 
 
+def channel_major_columns(rows: np.ndarray, geo: ConvGeometry, groups: int) -> np.ndarray:
+    """The gathered (N, k·kh·kw, C) ``rows`` as columns (N·k, groups, C/groups·kh·kw) in the
+    order of :func:`~onnxdiag.sparsity.offline.sampled_columns` (a permuting copy)."""
+    perm = channel_major(geo)
+    flat = rows.reshape(-1, perm.size)
+    return flat[:, perm].reshape(len(flat), groups, -1)
+
+
 def index_name(key: str) -> str:
     return f"{key}__onnxdiag_lscols_indices"
 

@@ -23,6 +23,7 @@ from ..runtime.runner import OrtRunner, single_threaded_blas
 from .ls_columns import (
     ConvGeometry,
     channel_major,
+    channel_major_columns,
     conv_geometry,
     expose_columns,
     index_feeds,
@@ -113,8 +114,8 @@ def collect_columns(model, sources: dict[str, ColumnSource], batches: list[dict]
             g = src.acc.pp.shape[0]
             if src.geometry is not None:  # tap-major; one group: the Gram is permuted below
                 x = out[names[src.name]]
-                x = x.reshape(-1, perm[src.name].size)  # (N·k, kh·kw·C), a view
-                cols = x[:, None] if g == 1 else x[:, perm[src.name]].reshape(len(x), g, -1)
+                cols = x.reshape(-1, 1, perm[src.name].size) if g == 1 else \
+                    channel_major_columns(x, src.geometry, g)  # tap-major (a view) or not
             else:
                 x = feeds[src.tensor] if src.tensor in inputs else out[names[src.tensor]]
                 cols = numpy_columns(src.op, x, src.kernel, settings.positions,
