@@ -105,11 +105,15 @@ def expose_columns(model: onnx.ModelProto, convs: dict[str, tuple[str, ConvGeome
     see :func:`index_feeds`) and the ``tensors`` exposed whole (graph inputs are not: read
     them from the feeds). Returns (model, {key or tensor: output name}). Never modifies
     ``model``."""
-    from ..model.expose import expose_tensors
-
     inputs = {i.name for i in model.graph.input}
-    whole = [t for t in tensors if t not in inputs]
-    out = expose_tensors(model, whole) if whole else _copy(model)
+    out = _copy(model)
+    # the tensors appended as outputs directly (typed where shape inference typed them):
+    # a graphsurgeon round trip cost more than the pass on the ViT sample
+    types = {v.name: v for v in (*out.graph.value_info, *out.graph.output)}
+    present = {o.name for o in out.graph.output}
+    for t in dict.fromkeys(tensors):
+        if t not in inputs and t not in present:
+            out.graph.output.append(types.get(t) or helper.make_empty_tensor_value_info(t))
     names = {t: t for t in tensors}
     for i, (key, (tensor, geo)) in enumerate(convs.items()):
         names[key] = _gather_nodes(out.graph, f"onnxdiag_lscols_{i}", tensor, geo,

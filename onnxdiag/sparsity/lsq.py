@@ -88,14 +88,39 @@ def solve_rows(w: np.ndarray, mask: np.ndarray, h_pp: np.ndarray, h_pd: np.ndarr
     """Exact per-row solves: ``w`` (rows, K) dense weights, ``mask`` (rows, K) kept;
     returns w' (rows, K) float64, zero off the support."""
     w = np.asarray(w, np.float64)
+    mask = np.asarray(mask, bool)
     rhs = _rhs(w, mask, h_pd, lam, prior)  # (rows, K)
     out = np.zeros_like(w)
-    for i in range(w.shape[0]):
-        s = np.flatnonzero(mask[i])
-        if s.size:
-            a = h_pp[np.ix_(s, s)] + lam * np.eye(s.size)
-            out[i, s] = np.linalg.solve(a, rhs[i, s])
+    sizes = mask.sum(axis=1)
+    order = np.argsort(sizes, kind="stable")
+    order = order[sizes[order] > 0]
+    start = 0
+    while start < order.size:  # rows of similar support size, solved as one batch
+        end = start + 1
+        while end < order.size and (end + 1 - start) * sizes[order[end]] ** 2 <= SOLVE_BATCH:
+            end += 1
+        _solve_batch(out, order[start:end], mask, h_pp, rhs, lam, int(sizes[order[end - 1]]))
+        start = end
     return out
+
+
+#: Matrix entries per batch of padded row systems in :func:`solve_rows` (32 MB of float64).
+SOLVE_BATCH = 4 * 2 ** 20
+
+
+def _solve_batch(out, rows, mask, h_pp, rhs, lam, size) -> None:
+    """Solve ``rows``' systems (H_pp[S,S] + λI) w'_S = rhs_S at once, each padded to
+    ``size`` with an identity block (block diagonal: the padded solution is exact, 0)."""
+    support = np.argsort(~mask[rows], axis=1, kind="stable")[:, :size]  # S_i first, in order
+    valid = np.take_along_axis(mask[rows], support, axis=1)
+    a = h_pp[support[:, :, None], support[:, None, :]]
+    a = np.where(valid[:, :, None] & valid[:, None, :], a, 0.0)
+    diag = np.arange(size)
+    a[:, diag, diag] += np.where(valid, lam, 1.0)
+    b = np.where(valid, np.take_along_axis(rhs[rows], support, axis=1), 0.0)
+    x = np.linalg.solve(a, b[..., None])[..., 0]
+    r, c = np.nonzero(valid)
+    out[rows[r], support[r, c]] = x[r, c]
 
 
 def sparsegpt_rows(w: np.ndarray, mask: np.ndarray, h_pp: np.ndarray, h_pd: np.ndarray,
