@@ -19,6 +19,7 @@ from exports import digits_mlp
 from onnx import helper, numpy_helper
 from test_sparsity_ls import _im2col, _lstsq_rows, _setup
 
+from onnxdiag.channels.moments import gram_error_bound
 from onnxdiag.graph import GraphIndex
 from onnxdiag.model.io import load_model
 from onnxdiag.runtime.runner import OrtRunner
@@ -62,7 +63,8 @@ def _conv_model(kernel, stride, pads, dilation, groups, auto_pad) -> onnx.ModelP
 def test_gathered_columns_equal_sampled_columns(geometry):
     """The graph's patches (permuted to channel-major) equal sampled_columns bit for bit
     at 3 positions per image, at every position (None) and above the output's size, and
-    a batch split in two gives the same rows as the whole batch."""
+    a batch split in two gives the same rows as the whole batch; the graph's float32 Gram
+    of them is within gram_error_bound of the float64 one."""
     kernel, stride, pads, dilation, groups, auto_pad = geometry
     model = _conv_model(*geometry)
     op = LayerOp("c", "conv", stride, pads, dilation, groups, auto_pad)
@@ -82,6 +84,15 @@ def test_gathered_columns_equal_sampled_columns(geometry):
         halves = [runner.run({"x": x[s], **{k: v[s] for k, v in feeds.items()}},
                              [names["k"]])[names["k"]] for s in (slice(0, 4), slice(4, 10))]
         np.testing.assert_array_equal(np.concatenate(halves), out)
+        if groups == 1:  # the graph's own float32 Gram and sums of the same columns
+            gexp, gnames = expose_columns(model, {"k": ("r", geo)}, [], grams={"k"})
+            res = OrtRunner(gexp).run({"x": x, **feeds})
+            cols = out.reshape(len(ref), -1).astype(np.float64)  # tap-major
+            exact = cols.T @ cols
+            bound = gram_error_bound(np.abs(cols).T @ np.abs(cols), block=len(cols))
+            assert np.all(np.abs(res[gnames["k/gram"]] - exact) <= bound)
+            np.testing.assert_allclose(res[gnames["k/sum"]], cols.sum(0), rtol=1e-5,
+                                       atol=1e-4)
 
 
 def _dense_refit(model, masks, calib, prior, positions, method="ls"):

@@ -69,6 +69,10 @@ class ConvGeometry:
         return rows.reshape(rows.shape[0], -1).astype(np.int64)
 
     @property
+    def taps(self) -> int:
+        return self.kernel[0] * self.kernel[1]
+
+    @property
     def padded(self) -> bool:
         return any(self.pads)
 
@@ -99,12 +103,15 @@ def conv_geometry(index: GraphIndex, layer, op: LayerOp) -> ConvGeometry | None:
 
 
 def expose_columns(model: onnx.ModelProto, convs: dict[str, tuple[str, ConvGeometry]],
-                   tensors: list[str]) -> tuple[onnx.ModelProto, dict[str, str]]:
+                   tensors: list[str], grams=()) -> tuple[onnx.ModelProto, dict[str, str]]:
     """A copy of ``model`` with an output of gathered rows (N, k·kh·kw, C) per entry of
     ``convs`` ({key: (input tensor, geometry)}; its indices input is named after the key,
     see :func:`index_feeds`) and the ``tensors`` exposed whole (graph inputs are not: read
-    them from the feeds). Returns (model, {key or tensor: output name}). Never modifies
-    ``model``."""
+    them from the feeds). For a key in ``grams`` the graph instead outputs the batch's
+    tap-major Gram XᵀX (K, K) and column sums (K,) of X = the rows as (N·k, kh·kw·C):
+    ONNX Runtime's own threads compute them, so they scale with the pass on an idle
+    machine. Returns (model, {key or tensor: output name}, with ``key/gram`` and
+    ``key/sum`` for those). Never modifies ``model``."""
     inputs = {i.name for i in model.graph.input}
     out = _copy(model)
     # the tensors appended as outputs directly (typed where shape inference typed them):
@@ -115,10 +122,37 @@ def expose_columns(model: onnx.ModelProto, convs: dict[str, tuple[str, ConvGeome
         if t not in inputs and t not in present:
             out.graph.output.append(types.get(t) or helper.make_empty_tensor_value_info(t))
     names = {t: t for t in tensors}
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     for i, (key, (tensor, geo)) in enumerate(convs.items()):
-        names[key] = _gather_nodes(out.graph, f"onnxdiag_lscols_{i}", tensor, geo,
-                                   index_name(key))
+        base = f"onnxdiag_lscols_{i}"
+        rows = _gather_nodes(out.graph, base, tensor, geo, index_name(key))
+        if key in grams:
+            names[f"{key}/gram"], names[f"{key}/sum"] = _gram_nodes(
+                out.graph, base, rows, geo.kernel[0] * geo.kernel[1] * geo.channels, opset)
+        else:
+            names[key] = rows
+            out.graph.output.append(helper.make_tensor_value_info(
+                rows, onnx.TensorProto.FLOAT, [None, None, geo.channels]))
     return out, names
+
+
+def _gram_nodes(graph, base: str, rows: str, width: int, opset: int) -> tuple[str, str]:
+    """Append X = Reshape(rows, (-1, width)), Gemm(X, X, transA) and ReduceSum(X, axis 0)
+    as float32 outputs; returns their names."""
+    graph.initializer.extend([
+        numpy_helper.from_array(np.array([-1, width], np.int64), f"{base}_width"),
+        numpy_helper.from_array(np.array([0], np.int64), f"{base}_axis0")])
+    x, gram, total = f"{base}_x", f"{base}_gram", f"{base}_sum"
+    reduce = (helper.make_node("ReduceSum", [x, f"{base}_axis0"], [total], name=total,
+                               keepdims=0) if opset >= 13 else
+              helper.make_node("ReduceSum", [x], [total], name=total, axes=[0], keepdims=0))
+    graph.node.extend([
+        helper.make_node("Reshape", [rows, f"{base}_width"], [x], name=x),
+        helper.make_node("Gemm", [x, x], [gram], name=gram, transA=1), reduce])
+    graph.output.extend([
+        helper.make_tensor_value_info(gram, onnx.TensorProto.FLOAT, [width, width]),
+        helper.make_tensor_value_info(total, onnx.TensorProto.FLOAT, [width])])
+    return gram, total
 
 
 def channel_major(geo: ConvGeometry) -> np.ndarray:
@@ -201,8 +235,6 @@ def _gather_nodes(graph, base: str, tensor: str, geo: ConvGeometry, indices: str
     graph.node.extend(nodes)
     graph.input.append(helper.make_tensor_value_info(indices, onnx.TensorProto.INT64,
                                                      [None, None]))
-    graph.output.append(helper.make_tensor_value_info(output, onnx.TensorProto.FLOAT,
-                                                      [None, None, c]))
     return output
 
 

@@ -27,6 +27,7 @@ from .ls_columns import (
     conv_geometry,
     expose_columns,
     index_feeds,
+    index_name,
     numpy_columns,
 )
 from .ls_repair import LSSettings, fit_layer, weight_rows
@@ -89,17 +90,21 @@ def column_sources(index: GraphIndex, layers) -> tuple[dict[str, ColumnSource], 
 
 
 def collect_columns(model, sources: dict[str, ColumnSource], batches: list[dict],
-                    settings: LSSettings, providers=None, threads=None) -> None:
+                    settings: LSSettings, providers=None, threads=None, *,
+                    graph_gram: bool = True) -> None:
     """One pass of ``model`` over ``batches``: every source's columns into its moments
-    (image indices count up over the batches, as in the sequential pass)."""
+    (image indices count up over the batches, as in the sequential pass). ``graph_gram``:
+    one-group convs' Grams computed by ONNX Runtime (else by NumPy from the columns)."""
     convs = {s.name: (s.tensor, s.geometry) for s in sources.values() if s.geometry}
     whole = sorted({s.tensor for s in sources.values() if s.geometry is None})
-    exposed, names = expose_columns(model, convs, whole)
+    # one group: the graph computes the (tap-major) Gram; else the columns come out
+    grams = {s.name for s in sources.values()
+             if graph_gram and s.geometry and s.acc.pp.shape[0] == 1}
+    exposed, names = expose_columns(model, convs, whole, grams)
     inputs = {i.name for i in model.graph.input}
     wanted = sorted({v for v in names.values() if v not in inputs})
     # ORT threads sleep between runs: the Gram updates run between them on the same cores
     runner = OrtRunner(exposed, providers=providers, threads=threads, spinning=False)
-    perm = {s.name: channel_major(s.geometry) for s in sources.values() if s.geometry}
     sizes = [int(np.shape(next(iter(feeds.values())))[0]) for feeds in batches]
     # every image's indices in one go (per-batch calls cost half a dense pass); image i's
     # depend on its global index alone, so slicing them per batch changes nothing
@@ -111,27 +116,31 @@ def collect_columns(model, sources: dict[str, ColumnSource], batches: list[dict]
                          wanted)
         start += n
         for src in sources.values():
-            g = src.acc.pp.shape[0]
-            if src.geometry is not None:  # tap-major; one group: the Gram is permuted below
-                x = out[names[src.name]]
-                cols = x.reshape(-1, 1, perm[src.name].size) if g == 1 else \
-                    channel_major_columns(x, src.geometry, g)  # tap-major (a view) or not
+            if src.name in grams:  # tap-major: permuted below
+                rows = n * extra[index_name(src.name)].shape[1] // src.geometry.taps
+                src.acc.update_gram(rows, out[names[f"{src.name}/sum"]],
+                                    out[names[f"{src.name}/gram"]])
+                continue
+            if src.geometry is not None:
+                cols = channel_major_columns(out[names[src.name]], src.geometry,
+                                             src.acc.pp.shape[0])
             else:
                 x = feeds[src.tensor] if src.tensor in inputs else out[names[src.tensor]]
                 cols = numpy_columns(src.op, x, src.kernel, settings.positions,
                                      settings.seed, images)
             src.acc.update(cols, cols)
-    for src in sources.values():
-        if src.geometry is not None and src.acc.pp.shape[0] == 1:
-            permute_moments(src.acc, perm[src.name])
+    for name in grams:
+        permute_moments(sources[name].acc, channel_major(sources[name].geometry))
 
 
 def permute_moments(acc: CrossMoments, perm: np.ndarray) -> None:
     """Reorder one-group moments of columns ``c`` to those of ``c[:, perm]`` (exact)."""
+    same = acc.pd is acc.pp
     for name in ("sum_p", "sum_d"):
         setattr(acc, name, getattr(acc, name)[:, perm])
     for name in ("pp", "pd"):
-        setattr(acc, name, getattr(acc, name)[:, perm][:, :, perm])
+        setattr(acc, name, acc.pp if same and name == "pd" else
+                getattr(acc, name)[:, perm][:, :, perm])
 
 
 def dense_output_sq(layer, src: ColumnSource, w: np.ndarray) -> np.ndarray:

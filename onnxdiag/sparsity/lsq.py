@@ -61,6 +61,16 @@ class CrossMoments:
         self.n += cp.shape[0]
         return self
 
+    def update_gram(self, n: int, sums: np.ndarray, gram: np.ndarray) -> CrossMoments:
+        """Add one batch of ``n`` columns of a one-group input no pruning reached (x_p =
+        x_d) from their sums (K,) and Gram (K, K), computed elsewhere (float32); the x_d
+        sums follow the x_p ones (one array: they are equal)."""
+        self.pp[0] += gram
+        self.sum_p[0] += sums
+        self.pd, self.sum_d = self.pp, self.sum_p
+        self.n += n
+        return self
+
     def merge(self, other: CrossMoments) -> CrossMoments:
         for name in ("sum_p", "sum_d", "pp", "pd"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
