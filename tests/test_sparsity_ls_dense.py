@@ -14,12 +14,20 @@ from types import SimpleNamespace
 import numpy as np
 import onnx
 import pytest
-from corpus import conv_bn_chain, conv_bn_folded, random_feeds, run_ort
+from corpus import (
+    conv1d_head,
+    conv_bn_chain,
+    conv_bn_folded,
+    depthwise_pointwise,
+    random_feeds,
+    run_ort,
+)
 from exports import digits_mlp
 from onnx import helper, numpy_helper
 from test_sparsity_ls import _im2col, _lstsq_rows, _setup
 
 from onnxdiag.channels.moments import gram_error_bound
+from onnxdiag.data.source import DataWarning
 from onnxdiag.graph import GraphIndex
 from onnxdiag.model.io import load_model
 from onnxdiag.runtime.runner import OrtRunner
@@ -191,3 +199,27 @@ def test_dense_pass_results_equal_for_two_batch_splits():
     feeds = random_feeds(model, batch=5, seed=9)
     ya, yb = run_ort(first, feeds)["logits"], run_ort(second, feeds)["logits"]
     np.testing.assert_allclose(ya, yb, rtol=1e-4, atol=1e-5)
+
+
+def test_dense_grouped_1d_and_fixed_batch_graphs():
+    """A depthwise conv (group 8: columns permuted per batch, one λ per group), a 1-D conv
+    (cut in NumPy) and a graph exported for batch 3 run on batches of 6 (ONNX Runtime runs
+    it in pieces; each piece's row offsets come from the graph itself): every pruned layer
+    is refitted and its output error falls; the fixed-batch graph's refit equals the
+    dynamic one's."""
+    for model in (load_model(depthwise_pointwise()), load_model(conv1d_head())):
+        structure, masks, calib = _setup(model, S=0.5)
+        _, rec = _dense_refit(model, masks, calib, "weights", 3)
+        assert rec.layers and all(v.error_after <= v.error_before + 1e-9
+                                  for v in rec.layers.values())
+    assert len(_dense_refit(load_model(depthwise_pointwise()),
+                            *_setup(load_model(depthwise_pointwise()), S=0.5)[1:], "weights",
+                            3)[1].layers["dw"].lam) == 8
+    dynamic, fixed = load_model(conv_bn_chain()), load_model(conv_bn_chain(batch=3))
+    structure, masks, calib = _setup(dynamic)
+    first, _ = _dense_refit(dynamic, masks, calib, "weights", 5)
+    with pytest.warns(DataWarning, match="only runs at batch size 3"):
+        second, _ = _dense_refit(fixed, masks, calib, "weights", 5)
+    for a, b in zip(first.graph.initializer, second.graph.initializer):
+        np.testing.assert_allclose(numpy_helper.to_array(a), numpy_helper.to_array(b),
+                                   rtol=1e-5, atol=1e-6)

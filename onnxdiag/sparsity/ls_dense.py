@@ -97,7 +97,9 @@ def collect_columns(model, sources: dict[str, ColumnSource], batches: list[dict]
     one-group convs' Grams computed by ONNX Runtime (else by NumPy from the columns)."""
     convs = {s.name: (s.tensor, s.geometry) for s in sources.values() if s.geometry}
     whole = sorted({s.tensor for s in sources.values() if s.geometry is None})
-    # one group: the graph computes the (tap-major) Gram; else the columns come out
+    # one group: the graph computes the (tap-major) Gram; else the columns come out (and
+    # always in a graph with a fixed batch size, which ONNX Runtime runs in pieces)
+    graph_gram = graph_gram and not fixed_batch(model)
     grams = {s.name for s in sources.values()
              if graph_gram and s.geometry and s.acc.pp.shape[0] == 1}
     exposed, names = expose_columns(model, convs, whole, grams)
@@ -131,6 +133,17 @@ def collect_columns(model, sources: dict[str, ColumnSource], batches: list[dict]
             src.acc.update(cols, cols)
     for name in grams:
         permute_moments(sources[name].acc, channel_major(sources[name].geometry))
+
+
+def fixed_batch(model) -> bool:
+    """Whether a graph input has a fixed batch (axis-0) size."""
+    inits = {t.name for t in model.graph.initializer}
+    for vi in model.graph.input:
+        dims = vi.type.tensor_type.shape.dim
+        if vi.name not in inits and dims and dims[0].HasField("dim_value") and \
+                dims[0].dim_value > 0:
+            return True
+    return False
 
 
 def permute_moments(acc: CrossMoments, perm: np.ndarray) -> None:
