@@ -2,15 +2,18 @@
 """What does the LS reconstruction repair (docs/METHODS.md §E1) cost next to one dense pass?
 
     python benchmarks/bench_reconstruct.py [--model M] [--images 512] [--batch 64]
-        [--sparsity 0.8] [--positions all,16] [--runs 3] [--fold-bn] [--json OUT]
+        [--sparsity 0.8] [--positions all,16] [--dense-positions 16,8] [--runs 3]
+        [--fold-bn] [--json OUT]
 
 Prunes ``--model`` (default: the bundled CNN sample, models/sample) to ``--sparsity`` with
 ERK and times, interleaved in one process and repeated ``--runs`` times (median and min
 reported): one dense ONNX Runtime pass over the ``--images`` calibration images (the
 denominator), the ``ls`` repair of every reached layer at each ``--positions`` setting
-('all' = every conv position, exact; N = N sampled positions per image), and the ``bn``
-repair for scale. It also prints the FLOPs floor: the Gram products Σ 2·P·K² (H_pp, plus
-H_pd where the input was reached) against the dense pass's 2·P·K·C_out of the same layers.
+('all' = every conv position, exact; N = N sampled positions per image), the same
+repair with dense inputs (``--ls-inputs dense``: one dense pass fits every layer) at each
+``--dense-positions`` setting, and the ``bn`` repair for scale. It also prints the FLOPs
+floor: the Gram products Σ 2·P·K² (H_pp, plus H_pd where the input was reached) against
+the dense pass's 2·P·K·C_out of the same layers.
 ``--fold-bn`` first folds every BatchNormalization into its conv (a BN-folded export).
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -39,6 +43,7 @@ def parse_args(argv=None):
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--sparsity", type=float, default=0.8)
     ap.add_argument("--positions", default="all,16")
+    ap.add_argument("--dense-positions", default="16,8")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--fold-bn", action="store_true")
     ap.add_argument("--json", default=None)
@@ -137,7 +142,12 @@ def main(argv=None) -> int:
     for p in positions:
         jobs[f"ls, positions {p or 'all'}"] = (lambda p=p: repair_model(
             model, structure, masks, batches, method="ls", ls=LSSettings(positions=p)))
+    for p in [None if p == "all" else int(p) for p in args.dense_positions.split(",")]:
+        jobs[f"ls dense inputs, positions {p or 'all'}"] = (lambda p=p: repair_model(
+            model, structure, masks, batches, method="ls",
+            ls=LSSettings(positions=p, inputs="dense")))
     times = {k: [] for k in jobs}
+    load_before = os.getloadavg()[0]
     for _ in range(args.runs):
         for k, fn in jobs.items():  # interleaved: load hits every job alike
             t0 = time.perf_counter()
@@ -148,14 +158,17 @@ def main(argv=None) -> int:
     folded = " (BN folded)" if args.fold_bn else ""
     print(f"# LS reconstruction cost: {Path(args.model).name}{folded}, {len(x)} images, "
           f"batch {args.batch}, S = {args.sparsity} (ERK), {args.runs} runs, "
-          f"{platform.machine()} {platform.python_version()}")
-    print("| job | median s | min s | / dense pass (median) |")
-    print("|---|---:|---:|---:|")
+          f"{platform.machine()} {platform.python_version()}, load average "
+          f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}")
+    print("| job | median s | min s | / dense pass (median) | / dense pass (min) |")
+    print("|---|---:|---:|---:|---:|")
     rows = {}
     for k, ts in times.items():
         med = statistics.median(ts)
-        rows[k] = {"median_s": med, "min_s": min(ts), "ratio": med / base}
-        print(f"| {k} | {med:.3f} | {min(ts):.3f} | {med / base:.1f} |")
+        rows[k] = {"median_s": med, "min_s": min(ts), "ratio": med / base,
+                   "ratio_min": min(ts) / min(times["dense pass"])}
+        print(f"| {k} | {med:.3f} | {min(ts):.3f} | {med / base:.2f} | "
+              f"{rows[k]['ratio_min']:.2f} |")
     print(f"FLOPs floor of the exact Grams: {gram / max(dense_flops, 1):.1f}x the reached "
           f"layers' dense FLOPs ({gram / 1e6:.1f} vs {dense_flops / 1e6:.1f} MFLOP per image)")
     solvers = compare_solvers(model, structure, masks, batches)

@@ -64,3 +64,23 @@ def test_ls_options_are_checked_by_click(tmp_path):
                  "--data", SAMPLE.calibration, "-o", tmp_path / "p.onnx")
     assert result.exit_code == 2 and "--ls-ridge" in result.output
     assert not (tmp_path / "p.onnx").exists()
+
+
+def test_prune_ls_inputs_dense_records_one_dense_pass(tmp_path):
+    """``--ls-inputs dense --ls-positions 8``: the sidecar records the settings, one dense
+    pass and no sequential one, and every pruned layer's error falls; a bad choice is a
+    click error naming the option."""
+    out = tmp_path / "d.onnx"
+    result = run("prune", SAMPLE.model, "--sparsity", 0.8, "--allocation", "erk", "--repair",
+                 "ls", "--ls-inputs", "dense", "--ls-positions", 8, "--data",
+                 SAMPLE.calibration, "--limit", 128, "-o", out, "--out", tmp_path / "rep",
+                 "--format", "json")
+    assert result.exit_code == 0, result.output
+    rep = json.loads((tmp_path / "d.onnx.json").read_text())["repair"]
+    assert rep["ls"]["inputs"] == "dense" and rep["ls"]["positions"] == 8
+    assert rep["passes"] == {"dense": 1, "sequential": 0, "segments": 0}
+    assert rep["layers"] and all(r["error_after"] < r["error_before"]
+                                 for r in rep["layers"].values())
+    bad = run("prune", SAMPLE.model, "--sparsity", 0.5, "--repair", "ls", "--ls-inputs",
+              "both", "--data", SAMPLE.calibration, "-o", tmp_path / "p.onnx")
+    assert bad.exit_code == 2 and "--ls-inputs" in bad.output

@@ -87,6 +87,22 @@ def test_set_input_copies_a_shared_initializer_and_edits_a_sole_one_in_place():
         _inits(model)["b"].reshape(1, 4, 1, 1), got["conv_a"].shape), atol=1e-7)
 
 
+def test_an_in_place_write_keeps_the_index_and_drops_its_cached_constants():
+    """A sole initializer overwritten in place: the editor keeps its graph index (no
+    rebuild), and the index reads the new value, not its cached old one."""
+    model = _shared_weight_model()
+    ed = ModelEditor(model)
+    index = ed.index
+    old = np.array(index.get_constant("head.weight"))
+    new = np.full_like(old, 0.5)
+    ed.set_input("head", 1, new)
+    assert ed.index is index
+    np.testing.assert_array_equal(ed.index.get_constant("head.weight"), new)
+    ed.replace_initializer("head.weight", 2 * new)
+    np.testing.assert_array_equal(ed.index.get_constant("head.weight"), 2 * new)
+    np.testing.assert_array_equal(_inits(ed.finish())["head.weight"], 2 * new)
+
+
 def test_a_constant_node_source_becomes_an_initializer_and_the_node_is_dropped():
     model = load_model(corpus.constant_node_weights())
     ed = ModelEditor(model)

@@ -89,6 +89,11 @@ def ls_options(f):
                      callback=_positions_option,
                      help="Conv output positions per image (linear-layer tokens per input), "
                           "seeded by --seed, entering the LS moments; 'all' = exact."),
+        click.option("--ls-inputs", type=click.Choice(["sequential", "dense"]),
+                     default="sequential", show_default=True,
+                     help="Fit each layer on its input in the repaired model (a dense and a "
+                          "sequential pass) or in the dense model (one dense pass for all "
+                          "layers, docs/METHODS.md §E1)."),
     ]):
         f = opt(f)
     return f

@@ -26,6 +26,7 @@ TABLE_SPARSITIES = (0.5, 0.8, 0.9, 0.95, 0.99)
 #: Echoed into every report ("our default" choices of docs/METHODS.md are parameters).
 DEFAULTS = dict(rr_images=64, rr_positions=16, rr_eps=1e-12, alpha_cap=100.0, rr_prior="erk",
                 ls_ridge=0.01, ls_prior="weights", ls_exact_max=1e9, ls_positions="all",
+                ls_inputs="sequential",
                 rr_gamma=1.0, rr_cap=0.99, recalibrate="affected", band_hi=0.9, band_lo=0.5,
                 band_repair="cr+bn", cts_baseline="bn")
 
@@ -50,8 +51,10 @@ class PrunerOptions:
     per-layer cap; ``force_projection``: ERK sets 1×1 shortcut convs to s = S.
     ``alpha_cap``: CR's cap on α; ``recalibrate``: the BNs downstream of a pruned weight
     ("affected") or "all". ``ls_ridge`` / ``ls_prior`` / ``ls_exact_max`` /
-    ``ls_positions``: the ``ls`` repairs' ridge factor, ridge target, exact-solve limit and
-    positions per image (None: all) (docs/METHODS.md §E1).
+    ``ls_positions`` / ``ls_inputs``: the ``ls`` repairs' ridge factor, ridge target,
+    exact-solve limit, positions per image (None: all) and whose inputs the layers are
+    fitted on ("sequential": the repaired model's; "dense": the dense model's, one pass)
+    (docs/METHODS.md §E1).
     """
 
     keep_dense: tuple[str, ...] = ()
@@ -67,6 +70,7 @@ class PrunerOptions:
     ls_prior: str = "weights"
     ls_exact_max: float = 1e9
     ls_positions: int | None = None
+    ls_inputs: str = "sequential"
 
     @classmethod
     def take(cls, kwargs: dict) -> PrunerOptions:
@@ -97,7 +101,8 @@ class PrunerOptions:
         from ..sparsity.ls_repair import LSSettings
 
         return LSSettings(ridge=self.ls_ridge, prior=self.ls_prior,
-                          exact_max=self.ls_exact_max, positions=self.ls_positions)
+                          exact_max=self.ls_exact_max, positions=self.ls_positions,
+                          inputs=self.ls_inputs)
 
     def params(self) -> dict:
         """The record as report parameters (``rr_positions`` as an int or "all")."""

@@ -151,6 +151,11 @@ class GraphIndex:
         return None if ttype is None else ttype.WhichOneof("value")
 
     # -- constants ---------------------------------------------------------------------------
+    def forget_constants(self) -> None:
+        """Drop the values :meth:`get_constant` has cached: after an initializer's value
+        was overwritten in place (the graph's structure, which the index holds, is the same)."""
+        self._const_cache.clear()
+
     def get_constant(self, tensor_name: str) -> np.ndarray | None:
         """The value of ``tensor_name`` if it is computable without inputs, else None.
 

@@ -114,7 +114,10 @@ class ModelEditor:
                 del dims[:]
                 for d in init.dims:
                     dims.add().dim_value = int(d)
-        self._changed()
+        # the same TensorProto changed value: the index's structure holds, its cached
+        # constants do not (rebuilding it after every write was most of a 20-layer LS fit)
+        if self._index is not None:
+            self._index.forget_constants()
 
     def set_input(self, node_name: str, slot: int, value: np.ndarray, *,
                   stem: str | None = None) -> str:

@@ -29,6 +29,9 @@ from .offline import layer_op, sampled_columns
 from .recal import recalibrate_bn
 from .segments import SegmentedPass
 
+#: Whose inputs each layer is fitted on (docs/METHODS.md §E1): the repaired or the dense model.
+INPUTS = ("sequential", "dense")
+
 
 @dataclass(frozen=True)
 class LSSettings:
@@ -37,7 +40,11 @@ class LSSettings:
     the SparseGPT sweep replaces the exact solves), ``solver`` ("auto", "exact",
     "sparsegpt"), ``positions``: conv output positions per image (linear layers: tokens
     per input) whose columns enter the moments, drawn with ``seed`` (the same for x_p and
-    x_d); None: every position (exact, **our default**)."""
+    x_d); None: every position (exact, **our default**). ``inputs``: "sequential" (each
+    layer fitted on its input in the partially repaired model, x_p, against the dense
+    x_d: a dense and a sequential pass, **our default**) or "dense" (every layer fitted on
+    the dense model's inputs, x_p = x_d: one pass of the dense model,
+    :mod:`~onnxdiag.sparsity.ls_dense`)."""
 
     ridge: float = RIDGE
     prior: str = "weights"
@@ -45,6 +52,7 @@ class LSSettings:
     solver: str = "auto"
     positions: int | None = None
     seed: int = 0
+    inputs: str = "sequential"
 
     def check(self) -> None:
         if self.prior not in PRIORS:
@@ -53,6 +61,8 @@ class LSSettings:
             raise OnnxDiagError(f"LS ridge must be positive, got {self.ridge!r}.")
         if self.solver not in ("auto", "exact", "sparsegpt"):
             raise OnnxDiagError("LS solver must be one of auto, exact, sparsegpt.")
+        if self.inputs not in INPUTS:
+            raise OnnxDiagError(f"LS inputs must be one of {', '.join(INPUTS)}.")
         if self.positions is not None and not (isinstance(self.positions, int)
                                                and self.positions >= 1):
             raise OnnxDiagError(f"LS positions must be a positive integer or all, got "
@@ -61,7 +71,7 @@ class LSSettings:
     def to_dict(self) -> dict:
         return {"ridge": self.ridge, "prior": self.prior, "exact_max": self.exact_max,
                 "solver": self.solver, "positions": self.positions or "all",
-                "seed": self.seed}
+                "seed": self.seed, "inputs": self.inputs}
 
 
 @dataclass(frozen=True, eq=False)
@@ -135,7 +145,7 @@ def refit_layer(editor: ModelEditor, layer, w: np.ndarray, mask: np.ndarray, xs_
     rows per group, write weight and bias into ``editor``; returns the record."""
     index = editor.index  # rebuilt after each edit: read it once per layer
     op = layer_op(index, layer)
-    rows, rmask, alpha = weight_rows(layer, op, w), weight_rows(layer, op, mask), op.alpha
+    rows = weight_rows(layer, op, w)
     kernel = tuple(w.shape[2:]) if layer.op_type == "Conv" else ()
     g = op.groups if op.kind == "conv" else 1
     per = rows.shape[0] // g
@@ -155,6 +165,17 @@ def refit_layer(editor: ModelEditor, layer, w: np.ndarray, mask: np.ndarray, xs_
             y = cols_d[:, k, :] @ wt[k].T  # the dense output w_iᵀx_d, float32
             yd_sq[k * per:(k + 1) * per] += np.einsum("ij,ij->j", y, y, dtype=np.float64)
     yd_sq /= max(acc.n, 1)
+    return fit_layer(editor, layer, op, w, mask, acc, yd_sq, settings)
+
+
+def fit_layer(editor: ModelEditor, layer, op, w: np.ndarray, mask: np.ndarray,
+              acc: CrossMoments, yd_sq: np.ndarray, settings: LSSettings) -> LSRepair:
+    """Solve ``layer``'s rows per group from its moments ``acc`` (``yd_sq``: E[(w_iᵀx_d)²]
+    per row), write weight and bias into ``editor``; returns the record."""
+    index = editor.index
+    rows, rmask, alpha = weight_rows(layer, op, w), weight_rows(layer, op, mask), op.alpha
+    g = acc.pp.shape[0]
+    per = rows.shape[0] // g
     holder, slot, b, beta, _ = bias_state(editor, index, layer, index.get_node(layer.node_name))
     bias = np.zeros(rows.shape[0]) if b is None else np.broadcast_to(
         beta * np.asarray(b, np.float64).reshape(-1), (rows.shape[0],)).copy()

@@ -33,8 +33,9 @@ EXACT_MAX = 1e9
 class CrossMoments:
     """Float64 sums of the pruned / dense input columns of one layer, per group.
 
-    ``update(cols_p, cols_d)`` with columns ``(m, groups, K)``; the products are BLAS
-    products in ``dtype`` (float32: the input's precision), summed into float64.
+    ``update(cols_p, cols_d)`` with columns ``(m, groups, K)``; the products (and the
+    column sums, as products with a ones vector: 9x faster than a float64 reduction) are
+    BLAS products in ``dtype`` (float32: the input's precision), summed into float64.
     """
 
     def __init__(self, groups: int, k: int, dtype=np.float32):
@@ -49,14 +50,25 @@ class CrossMoments:
         same = cols_d is cols_p  # an input no pruning reached: x_p = x_d
         cp = np.asarray(cols_p, self.dtype)
         cd = cp if same else np.asarray(cols_d, self.dtype)
+        ones = np.ones(cp.shape[0], self.dtype)  # column sums as BLAS products, too
         for g in range(cp.shape[1]):
             a, b = cp[:, g, :], cd[:, g, :]
             aa = a.T @ a
             self.pp[g] += aa
             self.pd[g] += aa if same else a.T @ b
-            self.sum_p[g] += a.sum(axis=0, dtype=np.float64)
-            self.sum_d[g] += b.sum(axis=0, dtype=np.float64)
+            self.sum_p[g] += ones @ a
+            self.sum_d[g] += ones @ b
         self.n += cp.shape[0]
+        return self
+
+    def update_gram(self, n: int, sums: np.ndarray, gram: np.ndarray) -> CrossMoments:
+        """Add one batch of ``n`` columns of a one-group input no pruning reached (x_p =
+        x_d) from their sums (K,) and Gram (K, K), computed elsewhere (float32); the x_d
+        sums follow the x_p ones (one array: they are equal)."""
+        self.pp[0] += gram
+        self.sum_p[0] += sums
+        self.pd, self.sum_d = self.pp, self.sum_p
+        self.n += n
         return self
 
     def merge(self, other: CrossMoments) -> CrossMoments:
@@ -86,14 +98,39 @@ def solve_rows(w: np.ndarray, mask: np.ndarray, h_pp: np.ndarray, h_pd: np.ndarr
     """Exact per-row solves: ``w`` (rows, K) dense weights, ``mask`` (rows, K) kept;
     returns w' (rows, K) float64, zero off the support."""
     w = np.asarray(w, np.float64)
+    mask = np.asarray(mask, bool)
     rhs = _rhs(w, mask, h_pd, lam, prior)  # (rows, K)
     out = np.zeros_like(w)
-    for i in range(w.shape[0]):
-        s = np.flatnonzero(mask[i])
-        if s.size:
-            a = h_pp[np.ix_(s, s)] + lam * np.eye(s.size)
-            out[i, s] = np.linalg.solve(a, rhs[i, s])
+    sizes = mask.sum(axis=1)
+    order = np.argsort(sizes, kind="stable")
+    order = order[sizes[order] > 0]
+    start = 0
+    while start < order.size:  # rows of similar support size, solved as one batch
+        end = start + 1
+        while end < order.size and (end + 1 - start) * sizes[order[end]] ** 2 <= SOLVE_BATCH:
+            end += 1
+        _solve_batch(out, order[start:end], mask, h_pp, rhs, lam, int(sizes[order[end - 1]]))
+        start = end
     return out
+
+
+#: Matrix entries per batch of padded row systems in :func:`solve_rows` (32 MB of float64).
+SOLVE_BATCH = 4 * 2 ** 20
+
+
+def _solve_batch(out, rows, mask, h_pp, rhs, lam, size) -> None:
+    """Solve ``rows``' systems (H_pp[S,S] + λI) w'_S = rhs_S at once, each padded to
+    ``size`` with an identity block (block diagonal: the padded solution is exact, 0)."""
+    support = np.argsort(~mask[rows], axis=1, kind="stable")[:, :size]  # S_i first, in order
+    valid = np.take_along_axis(mask[rows], support, axis=1)
+    a = h_pp[support[:, :, None], support[:, None, :]]
+    a = np.where(valid[:, :, None] & valid[:, None, :], a, 0.0)
+    diag = np.arange(size)
+    a[:, diag, diag] += np.where(valid, lam, 1.0)
+    b = np.where(valid, np.take_along_axis(rhs[rows], support, axis=1), 0.0)
+    x = np.linalg.solve(a, b[..., None])[..., 0]
+    r, c = np.nonzero(valid)
+    out[rows[r], support[r, c]] = x[r, c]
 
 
 def sparsegpt_rows(w: np.ndarray, mask: np.ndarray, h_pp: np.ndarray, h_pd: np.ndarray,
@@ -166,5 +203,6 @@ def output_errors(w: np.ndarray, w_new: np.ndarray, w_masked: np.ndarray, b: np.
 
 def _sq_err(a, c, h_pp, h_pd, yd_sq, mu_p, mu_d, delta) -> np.ndarray:
     """E[(aᵀx_p − cᵀx_d + δ)²] per row."""
-    quad = np.einsum("ik,kl,il->i", a, h_pp, a) - 2 * np.einsum("ik,kl,il->i", a, h_pd, c)
+    # two matrix products, not a three-operand einsum (which loops: 4x the whole LS fit)
+    quad = np.sum((a @ h_pp) * a, axis=1) - 2 * np.sum((a @ h_pd) * c, axis=1)
     return quad + yd_sq + 2 * delta * (a @ mu_p - c @ mu_d) + delta * delta

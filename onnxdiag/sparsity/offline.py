@@ -78,7 +78,7 @@ def conv_columns(op: LayerOp, x: np.ndarray, kernel: tuple[int, ...]):
         cols, lead = conv_columns(op2, x[:, :, None, :], (1, *kernel))
         return cols, (lead[0], lead[2])
     n, c = x.shape[:2]
-    pads = _resolve_pads(op, x.shape[2:], kernel)
+    pads = resolve_pads(op, x.shape[2:], kernel)
     xp = np.pad(x, ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
     span = [d * (k - 1) + 1 for d, k in zip(op.dilation, kernel)]
     win = sliding_window_view(xp, span, axis=(2, 3))
@@ -88,7 +88,8 @@ def conv_columns(op: LayerOp, x: np.ndarray, kernel: tuple[int, ...]):
     return np.ascontiguousarray(cols), (n, ho, wo)
 
 
-def _resolve_pads(op: LayerOp, spatial, kernel) -> tuple[int, ...]:
+def resolve_pads(op: LayerOp, spatial, kernel) -> tuple[int, ...]:
+    """A 2-D conv's pads (begins then ends) for input ``spatial``, ``auto_pad`` resolved."""
     if op.auto_pad in ("NOTSET", ""):
         return tuple(op.pads) if op.pads else (0,) * 4
     if op.auto_pad == "VALID":
@@ -142,7 +143,7 @@ def sampled_columns(op, x: np.ndarray, kernel: tuple[int, ...], positions: int |
                       (1, *op.dilation), op.groups, op.auto_pad)
         x, kernel = x[:, :, None, :], (1, *kernel)
         x_last = None if x_last is None else x_last[:, None]
-    pads = _resolve_pads(op, x.shape[2:], kernel)
+    pads = resolve_pads(op, x.shape[2:], kernel)
     span = [d * (k - 1) + 1 for d, k in zip(op.dilation, kernel)]
     h, w = x.shape[2:]
     ho, wo = (((size + p0 + p1 - sp) // st) + 1 for size, p0, p1, sp, st in zip(

@@ -53,6 +53,7 @@ from .fold import (  # noqa: F401 - LayerRepair, cr_alpha, channel_rows re-expor
     has_layer_norm,
     uses_affine,
 )
+from .ls_dense import ls_dense
 from .ls_repair import LSSettings, ls_sequential
 from .masks import PRUNABLE_OPS, write_masks
 from .recal import BNRepair, affected_tensors, bn_channels, recalibrate_bn  # noqa: F401
@@ -150,32 +151,49 @@ def _repair_ls(model, editor, structure, masks, batches, method, alpha_cap, reca
                settings, providers, threads) -> tuple[onnx.ModelProto, RepairRecord]:
     """``ls`` / ``ls+bn``: every masked layer pruning reached is refitted (METHODS §E1; a
     MatMul without a bias Add gets one for the bias correction), then with ``+bn`` the BNs
-    of :func:`_plan` are recalibrated, all in one sequential pass."""
+    of :func:`_plan` are recalibrated, all in one sequential pass. With dense inputs
+    (``settings.inputs``) only the pruned layers are refitted, from one dense pass, and a
+    sequential pass runs only for the BNs."""
     settings.check()
     index = editor.index
     affected = affected_tensors(index, [n for n, m in masks.items() if not np.all(m)])
+    dense = settings.inputs == "dense"
     layers = [add_missing_bias(editor, la) for la in structure.layers
               if la.node_name in masks and la.op_type in PRUNABLE_OPS
-              and (not np.all(masks[la.node_name]) or la.input in affected)]
+              and (not np.all(masks[la.node_name]) or (la.input in affected and not dense))]
     _, with_bn = parse_method(method)
     bns = [node for node in editor.index.nodes if with_bn
            and node.op_type == "BatchNormalization"
            and (recalibrate == "all" or node.input[0] in affected)]
     n = sum(_batch_len(b) for b in batches)
-    done_layers, done_bns, segments = ls_sequential(
-        editor, model, batches, layers, masks, bns, affected, settings, providers, threads)
-    passes = {"dense": int(bool(layers)), "sequential": int(bool(layers or bns)),
-              "segments": segments}
+    if dense:
+        done_layers, dense_runs = ls_dense(editor, model, batches, layers, masks, settings,
+                                           providers, threads)
+        _, done_bns, segments = ls_sequential(editor, model, batches, [], masks, bns,
+                                              affected, settings, providers, threads) \
+            if bns else ({}, {}, 0)
+        passes = {"dense": dense_runs, "sequential": int(bool(bns)), "segments": segments}
+    else:
+        done_layers, done_bns, segments = ls_sequential(
+            editor, model, batches, layers, masks, bns, affected, settings, providers,
+            threads)
+        passes = {"dense": int(bool(layers)), "sequential": int(bool(layers or bns)),
+                  "segments": segments}
+    notes = _ls_notes(index, method, with_bn, layers, done_layers, settings)
+    return editor.finish(), RepairRecord(method, alpha_cap, recalibrate, n, done_layers,
+                                         done_bns, passes, notes, settings.to_dict())
+
+
+def _ls_notes(index, method, with_bn, layers, done_layers, settings) -> tuple[str, ...]:
+    """The notes of an LS repair: no BN for ``+bn``, BN parts on linear layers, SparseGPT."""
     approx = [k for k, v in done_layers.items() if "sparsegpt" in v.solver]
     no_bn = with_bn and not any(n.op_type == "BatchNormalization" for n in index.nodes)
     linear = linear_bn_note(method, layers, has_layer_norm(index))
-    notes = (("ls+bn: the model has no BatchNormalization, so ls+bn equals ls",) if no_bn
-             else ()) + (() if linear is None else (linear,)) + (() if not approx else (
+    return (("ls+bn: the model has no BatchNormalization, so ls+bn equals ls",) if no_bn
+            else ()) + (() if linear is None else (linear,)) + (() if not approx else (
         f"LS: {len(approx)} layer(s) ({', '.join(approx[:3])}{', ...' if len(approx) > 3 else ''}"
         f") used the SparseGPT one-sweep approximation (exact row solves would exceed "
         f"ls_exact_max = {settings.exact_max:g}, docs/METHODS.md §E1)",))
-    return editor.finish(), RepairRecord(method, alpha_cap, recalibrate, n, done_layers,
-                                         done_bns, passes, notes, settings.to_dict())
 
 
 @dataclass(frozen=True)
