@@ -124,3 +124,32 @@ def test_every_linear_layer_is_analysed_but_the_head(setup):
               if la.op_type in ("Gemm", "MatMul") and not la.is_head and la.n_out >= 4]
     assert linear and set(linear) <= {la.node_name for la in chosen}
     assert structure.head.node_name not in {la.node_name for la in chosen}
+
+
+def test_session_threads_leave_the_fold_a_core_where_it_is_large():
+    """The statistics session keeps every core where the fold is small next to inference
+    (the bundled CNN: wide convs over many positions) and leaves one to the fold where it
+    is not (the ViT sample: 19 layers, 16 of 17 tokens); the fold estimate is the Gram
+    FLOPs plus a per-layer cost; the moments are the same whatever the session's threads."""
+    from onnxdiag.channels.collect import make_stats_runner
+    from onnxdiag.channels.threads import LAYER_OVERHEAD_FLOPS, fold_flops, session_threads
+    from onnxdiag.data.request import DataRequest
+
+    cnn, vit = (load_model(p) for p in ("models/sample/model.onnx", "models/vit/model.onnx"))
+    s_cnn, s_vit = analyze_structure(cnn), analyze_structure(vit)
+    l_cnn, l_vit = find_analysed_layers(s_cnn), find_analysed_layers(s_vit)
+    expected = sum(2.0 * min(16, int(np.prod(la.output_shape[1:-1]))) * (la.n_out + 3) ** 2
+                   + LAYER_OVERHEAD_FLOPS for la in l_vit)
+    assert fold_flops(l_vit, 16) == pytest.approx(expected)
+    assert fold_flops(l_vit, 16) > 0.5 * s_vit.flops and fold_flops(l_cnn, 16) < 0.5 * s_cnn.flops
+    assert session_threads(s_vit, l_vit, 16, cores=2) == 1
+    assert session_threads(s_vit, l_vit, 16, cores=16) == 15
+    assert session_threads(s_vit, l_vit, 16, cores=1) is None
+    assert session_threads(s_cnn, l_cnn, 16, cores=2) is None
+    source = DataRequest.of("models/sample/calib.npz", limit=256).open(get_input_specs(vit))
+    one = collect_channel_moments(vit, s_vit, source, runner=make_stats_runner(vit, s_vit,
+                                                                               threads=1))
+    every = collect_channel_moments(vit, s_vit, source, runner=make_stats_runner(vit, s_vit,
+                                                                                 threads=0))
+    for name, lm in one.layers.items():
+        np.testing.assert_array_equal(lm.task.cov(), every.layers[name].task.cov())

@@ -28,6 +28,7 @@ from ..selection.probe import resolve_targets
 from . import shards
 from .moments import BatchFolder, ChannelStats, LayerMoments
 from .taps import InputTap, choose_taps, tap_names
+from .threads import session_threads
 
 TASK_SAMPLES = ("match", "gap")
 MIN_CHANNELS = 4
@@ -134,7 +135,8 @@ def collect_channel_moments(model, structure, source, settings: StatsSettings | 
     taps = choose_taps(model, chosen, settings.tap, settings.task_samples, settings.n_positions)
     if runner is None:
         exposed, names, fetch = _stats_model(model, chosen, structure.head, taps)
-        runner = StatsRunner(exposed, providers=providers)
+        threads = session_threads(structure, chosen, settings.n_positions) if overlap else None
+        runner = StatsRunner(exposed, providers=providers, threads=threads)
     else:  # the names alone: building the exposed model cost 10 % of a pass on 52 layers
         names, fetch = _stats_names(*_tensors(chosen, taps), structure.head)
     if not set(fetch) <= set(runner.output_names):
@@ -231,12 +233,16 @@ def make_stats_runner(model, structure, settings: StatsSettings | None = None, *
                       providers=None, threads: int | None = None, **fields) -> StatsRunner:
     """The session of the statistics pass (analysed layers + head exposed), to reuse;
     ``settings`` (or its fields ``layers``, ``tap``, ``task_samples``, ``n_positions``
-    as keywords) as for the pass that will use it."""
+    as keywords) as for the pass that will use it. ``threads``: ONNX Runtime's intra-op
+    threads; None: :func:`~onnxdiag.channels.threads.session_threads` (one core left to
+    the overlapping fold where it is a sizeable part of the work), 0: every core."""
     settings = StatsSettings.of(settings, **fields)
     chosen = find_analysed_layers(structure, settings.layers)
     taps = choose_taps(model, chosen, settings.tap, settings.task_samples, settings.n_positions)
     exposed, _, _ = _stats_model(model, chosen, structure.head, taps)
-    return StatsRunner(exposed, providers=providers, threads=threads)
+    if threads is None:
+        threads = session_threads(structure, chosen, settings.n_positions)
+    return StatsRunner(exposed, providers=providers, threads=threads or None)
 
 
 class StatsRunner(OrtRunner):
