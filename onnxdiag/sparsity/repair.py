@@ -55,7 +55,13 @@ from .fold import (  # noqa: F401 - LayerRepair, cr_alpha, channel_rows re-expor
 )
 from .ls_repair import LSSettings, ls_sequential
 from .masks import PRUNABLE_OPS, write_masks
-from .recal import BNRepair, affected_tensors, bn_channels, recalibrate_bn  # noqa: F401
+from .recal import (  # noqa: F401 - BNRepair, bn_channels re-exported
+    BNRepair,
+    affected_tensors,
+    bn_channels,
+    recalibrate_bn,
+    scaled_moments,
+)
 from .segments import SegmentedPass
 
 METHODS = ("none", "bn", "cr", "cr+bn", "layer-cr", "layer-cr+bn", "shrunk-cr", "shrunk-cr+bn",
@@ -67,7 +73,8 @@ RECALIBRATE = ("affected", "all")
 class RepairRecord:
     """The result of :func:`repair_model` (for the sidecar JSON, METHODS §C5).
 
-    ``passes``: {"dense": full dense passes, "sequential": 1 when anything was repaired,
+    ``passes``: {"dense": dense passes run (0 when a shared cache had the moments),
+    "sequential": 1 when anything was repaired,
     "segments": ONNX Runtime sessions of the sequential pass}.
     """
 
@@ -103,8 +110,8 @@ def parse_method(method: str) -> tuple[str | None, bool]:
 def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *,
                  method: str = "cr+bn", alpha_cap: float = 100.0, n_images: int | None = None,
                  recalibrate: str = "affected", providers=None, threads: int | None = None,
-                 ls: LSSettings | None = None, label: str | None = None
-                 ) -> tuple[onnx.ModelProto, RepairRecord]:
+                 ls: LSSettings | None = None, label: str | None = None,
+                 dense: dict | None = None) -> tuple[onnx.ModelProto, RepairRecord]:
     """Prune ``model`` with ``masks`` and repair it on calibration data (METHODS §C1).
 
     Args:
@@ -117,6 +124,10 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
             (default ``LSSettings()``).
         label: a progress bar with an ETA (stderr, a terminal only) over the sequential
             pass's layers and BNs; None: silent.
+        dense: a cache {layer node name: Moments of its dense output on the same
+            calibration samples}: the layers the repair needs that it lacks are measured
+            (one dense pass over those only) and added to it, so many repairs of one
+            model (a sweep's cells) share one dense pass.
 
     Returns the repaired copy (``model`` is never modified; masks and repairs are one
     edit, checked once by ``ModelEditor.finish``) and its :class:`RepairRecord`, whose
@@ -138,7 +149,10 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
     if not (plan.layers or plan.bns):
         return editor.finish(), RepairRecord(method, alpha_cap, recalibrate, n, {}, {}, passes,
                                              plan.notes)
-    dense = dense_moments(model, plan.dense_layers, batches, providers, threads)
+    dense = {} if dense is None else dense
+    missing = [la for la in plan.dense_layers if la.node_name not in dense]
+    dense.update(dense_moments(model, missing, batches, providers, threads))
+    passes["dense"] = int(bool(missing))
     done_layers, done_bns, passes["segments"] = _sequential(
         editor, batches, plan.layers, dense, plan.bns, cr_kind, plan.affine, alpha_cap,
         providers, threads, label)
@@ -241,20 +255,25 @@ def _sequential(editor, batches, layers, dense, bns, cr_kind, affine, alpha_cap,
     """Repair ``layers`` (to ``dense`` moments; ``affine`` {name: bool}) and recalibrate
     ``bns`` of the model in ``editor`` in topological order, each measured with the
     upstream repairs in place; returns (LayerRepair per layer, BNRepair per BN, sessions)."""
-    seg = SegmentedPass(editor.model, batches, providers=providers, threads=threads)
+    # threads sleep between segments: the NumPy work there needs the cores
+    seg = SegmentedPass(editor.model, batches, providers=providers, threads=threads,
+                        spinning=False)
     items = sorted([(seg.position(la.output), 0, i) for i, la in enumerate(layers)]
                    + [(seg.position(b.input[0]), 1, i) for i, b in enumerate(bns)])
-    done_layers, done_bns = {}, {}
+    done_layers, done_bns, scaled = {}, {}, {}
     for pos, kind, i in progress(items, len(items), label) if label else items:
         tensor = layers[i].output if kind == 0 else bns[i].input[0]
         seg.run_to(pos, keep=[tensor])
         if kind == 0:
             la = layers[i]
-            done_layers[la.node_name] = fold_repair(
+            rep = done_layers[la.node_name] = fold_repair(
                 seg.frontier, editor, la, dense[la.node_name], cr_kind, affine[la.node_name],
                 alpha_cap)
+            if rep.kind == "scale" and la.op_type == "Conv":  # its BN's input moments
+                scaled[la.output] = scaled_moments(rep)
         else:
-            done_bns[bns[i].name] = recalibrate_bn(seg.frontier, editor, bns[i])
+            done_bns[bns[i].name] = recalibrate_bn(seg.frontier, editor, bns[i],
+                                                   scaled.get(tensor))
     return done_layers, done_bns, seg.n_segments
 
 
