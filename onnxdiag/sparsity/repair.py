@@ -125,9 +125,10 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
         label: a progress bar with an ETA (stderr, a terminal only) over the sequential
             pass's layers and BNs; None: silent.
         dense: a cache {layer node name: Moments of its dense output on the same
-            calibration samples}: the layers the repair needs that it lacks are measured
-            (one dense pass over those only) and added to it, so many repairs of one
-            model (a sweep's cells) share one dense pass.
+            calibration samples}: when it lacks a layer the repair needs, every
+            non-head layer of ``masks`` it lacks is measured (one dense pass) and added,
+            so many repairs of one model (a sweep's cells) share one dense pass and get
+            the same moments whatever their order.
 
     Returns the repaired copy (``model`` is never modified; masks and repairs are one
     edit, checked once by ``ModelEditor.finish``) and its :class:`RepairRecord`, whose
@@ -144,15 +145,18 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
                           recalibrate, ls or LSSettings(), providers, threads)
     plan = _plan(editor, structure, masks, method, recalibrate)
     n = sum(_batch_len(b) for b in batches)
-    passes = {"dense": int(bool(plan.layers)), "sequential": int(bool(plan.layers or plan.bns)),
-              "segments": 0}
+    passes = {"dense": 0, "sequential": int(bool(plan.layers or plan.bns)), "segments": 0}
     if not (plan.layers or plan.bns):
         return editor.finish(), RepairRecord(method, alpha_cap, recalibrate, n, {}, {}, passes,
                                              plan.notes)
     dense = {} if dense is None else dense
-    missing = [la for la in plan.dense_layers if la.node_name not in dense]
-    dense.update(dense_moments(model, missing, batches, providers, threads))
-    passes["dense"] = int(bool(missing))
+    if any(la.node_name not in dense for la in plan.dense_layers):
+        # every layer a repair may need, in one session whatever this mask needs: the
+        # moments (ORT fuses what is not exposed) are then the same for every repair
+        todo = [la for la in structure.layers if not la.is_head and la.node_name in masks
+                and la.op_type in PRUNABLE_OPS and la.node_name not in dense]
+        dense.update(dense_moments(model, todo, batches, providers, threads))
+        passes["dense"] = 1
     done_layers, done_bns, passes["segments"] = _sequential(
         editor, batches, plan.layers, dense, plan.bns, cr_kind, plan.affine, alpha_cap,
         providers, threads, label)
