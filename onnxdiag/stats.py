@@ -26,6 +26,10 @@ __all__ = [
 ]
 
 
+#: float32 values per scratch chunk of :meth:`Moments.update_channels` (1 MiB: stays in cache).
+CHUNK_VALUES = 1 << 18
+
+
 class Moments:
     """Streaming count, mean, variance and (unbiased, ddof=1) covariance.
 
@@ -158,10 +162,15 @@ class Moments:
         else:
             centre = self.mean
         c32 = centre.astype(np.float32)
-        d = np.subtract(v, c32[None, :, None])
-        s1 = d.sum(axis=2).sum(axis=0, dtype=np.float64)
-        np.square(d, out=d)
-        s2 = d.sum(axis=2).sum(axis=0, dtype=np.float64)
+        s1, s2 = np.zeros(c), np.zeros(c)
+        step = max(1, CHUNK_VALUES // (c * p))  # images per chunk: a cache-sized scratch
+        buf = np.empty((min(step, n), c, p), np.float32)
+        for i in range(0, n, step):
+            d = buf[:min(step, n - i)]
+            np.subtract(v[i:i + step], c32[:, None], out=d)
+            s1 += d.sum(axis=2).sum(axis=0, dtype=np.float64)
+            np.square(d, out=d)
+            s2 += d.sum(axis=2).sum(axis=0, dtype=np.float64)
         n_b = n * p
         centre = c32.astype(np.float64)
         if self.n == 0:

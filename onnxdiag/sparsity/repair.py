@@ -62,7 +62,7 @@ from .recal import (  # noqa: F401 - BNRepair, bn_channels re-exported
     recalibrate_bn,
     scaled_moments,
 )
-from .segments import SegmentedPass
+from .segments import SegmentedPass, split_batches
 
 METHODS = ("none", "bn", "cr", "cr+bn", "layer-cr", "layer-cr+bn", "shrunk-cr", "shrunk-cr+bn",
            "ls", "ls+bn")
@@ -139,7 +139,7 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
         raise OnnxDiagError(f"recalibrate must be one of {', '.join(RECALIBRATE)}.")
     editor = ModelEditor(model)
     write_masks(editor, masks)
-    batches = collect_batches(calib_source, n_images)
+    batches = split_batches(collect_batches(calib_source, n_images))
     if cr_kind == "ls":
         return _repair_ls(model, editor, structure, masks, batches, method, alpha_cap,
                           recalibrate, ls or LSSettings(), providers, threads)
@@ -305,7 +305,7 @@ def recalibrate_batchnorm(model: onnx.ModelProto, calib_source, *, dense_model=N
     (method "bn", recalibrate "all").
     """
     editor = ModelEditor(model)
-    batches = collect_batches(calib_source, n_images)
+    batches = split_batches(collect_batches(calib_source, n_images))
     n = sum(_batch_len(b) for b in batches)
     index = editor.index
     bns = [node for node in index.nodes if node.op_type == "BatchNormalization"]
