@@ -366,3 +366,22 @@ def test_dense_moments_cache_is_shared_by_repairs():
     for t, u in zip(cached.graph.initializer, fresh.graph.initializer):
         np.testing.assert_array_equal(onnx.numpy_helper.to_array(t),
                                       onnx.numpy_helper.to_array(u))
+
+
+def test_split_batches_cuts_runs_by_input_values_and_the_repair_ignores_the_split():
+    """split_batches: runs of at most max_values input values (≥ 1 sample), in order, all
+    samples once; a repair on 12 samples in one batch equals the repair on 4 + 4 + 4."""
+    from onnxdiag.sparsity.segments import split_batches
+
+    feeds = [{"x": np.arange(5 * 6, dtype=np.float32).reshape(5, 6), "y": np.arange(5)}]
+    runs = split_batches(feeds, max_values=15)  # 7 values per sample: 2 per run
+    assert [len(r["y"]) for r in runs] == [2, 2, 1]
+    np.testing.assert_array_equal(np.concatenate([r["x"] for r in runs]), feeds[0]["x"])
+    assert [len(r["y"]) for r in split_batches(feeds, max_values=1)] == [1] * 5
+    model, structure, masks, calib = _setup(residual_block)
+    whole = [{k: np.concatenate([f[k] for f in calib]) for k in calib[0]}]
+    a, _ = repair_model(model, structure, masks, whole, method="cr+bn")
+    b, _ = repair_model(model, structure, masks, calib, method="cr+bn")
+    for t, u in zip(a.graph.initializer, b.graph.initializer):
+        x, y = onnx.numpy_helper.to_array(t), onnx.numpy_helper.to_array(u)
+        assert np.abs(x.astype(np.float64) - y).max() <= 1e-6 * max(np.abs(y).max(), 1e-3)
