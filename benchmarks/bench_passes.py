@@ -25,7 +25,9 @@ round-robin in one process (so load from other processes hits each alike), the m
             repair (its dense-moments pass and sequential segments, sessions included):
             what ``onnxdiag prune`` does after its RR curves, less emitting the file
   sweep     one sweep cell: prune as above + the agreement pass on the calibration set
-            (``onnxdiag sweep`` runs RR once, then this per cell)
+            (``onnxdiag sweep`` runs RR once, then this per cell; its cells share one
+            dense-moments pass, made before the timings, so a cell is the sequential
+            pass + the agreement)
 
 CPU seconds (``time.process_time``, all threads) are reported next to wall seconds: on a
 shared, loaded machine they show the work each pass adds; their baseline is the
@@ -119,8 +121,16 @@ def make_passes(model_path: str, x, y, calib: int, batch_size: int, wanted) -> d
         pruner = Pruner(model, structure, feeds, rr_curves=curves)
         alloc = pruner.allocate("rr", 0.9)
         fns["rr"] = lambda: compute_rr_curves(model, layers, feeds, n_images=calib)
-        fns["prune"] = lambda: pruner.prune(pruner.allocate("rr", 0.9), "cr+bn")
-        fns["sweep"] = lambda: pruner.agreement(pruner.prune(alloc, "cr+bn")[0])
+
+        def prune():  # as `onnxdiag prune`: the dense-moments pass included
+            pruner.dense_moments.clear()
+            return pruner.prune(pruner.allocate("rr", 0.9), "cr+bn")
+
+        fns["prune"] = prune
+        if "sweep" in wanted:  # a sweep's cells share the first cell's dense moments
+            sweeper = Pruner(model, structure, feeds, rr_curves=curves)
+            sweeper.prune(alloc, "cr+bn")
+            fns["sweep"] = lambda: sweeper.agreement(sweeper.prune(alloc, "cr+bn")[0])
     return {k: v for k, v in fns.items()
             if k in wanted or k in ("plain", "plain_nospin", "dense", "dense_nospin")}
 

@@ -317,3 +317,71 @@ def test_recalibrating_bns_that_share_parameters_copies_them_first():
     assert sorted(record.bns) == ["bn0", "bn1"]
     index = GraphIndex(out)
     assert index.get_node("bn0").input[3] != index.get_node("bn1").input[3]
+
+
+def _float64_path(monkeypatch):
+    """The repair as before its float32 moments: every moment by Moments.update_axis
+    (float64 copies) and every BN measured on its patched input (no derived moments)."""
+    from onnxdiag.sparsity import recal, repair
+    from onnxdiag.stats import Moments
+
+    monkeypatch.setattr(Moments, "update_channels", lambda self, x: self.update_axis(x, 1))
+    monkeypatch.setattr(repair, "scaled_moments", lambda rep: None)
+    assert recal.recalibrate_bn is repair.recalibrate_bn
+
+
+@pytest.mark.parametrize("build", [conv_bn_chain, residual_block, conv_bn_folded])
+@pytest.mark.parametrize("method", ["cr+bn", "bn", "cr", "shrunk-cr+bn"])
+def test_fast_moments_give_the_float64_repair(build, method, monkeypatch):
+    """Float32 pairwise channel moments, a CR-scaled conv's BN statistics taken from the
+    conv's measured moments, the in-place patch: the repaired initializers equal the
+    float64 path's to float32 rounding, and the outputs agree."""
+    model, structure, masks, calib = _setup(build)
+    fast, rec_fast = repair_model(model, structure, masks, calib, method=method)
+    with monkeypatch.context() as m:
+        _float64_path(m)
+        slow, rec_slow = repair_model(model, structure, masks, calib, method=method)
+    assert rec_fast.passes == rec_slow.passes
+    a = {t.name: onnx.numpy_helper.to_array(t) for t in fast.graph.initializer}
+    b = {t.name: onnx.numpy_helper.to_array(t) for t in slow.graph.initializer}
+    assert a.keys() == b.keys()
+    for k in a:
+        scale = max(float(np.abs(b[k]).max()), 1e-3)
+        assert np.abs(a[k].astype(np.float64) - b[k]).max() <= 2e-6 * scale, k
+    np.testing.assert_allclose(_logits(fast, calib), _logits(slow, calib), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_dense_moments_cache_is_shared_by_repairs():
+    """A cache given to repair_model is filled once: a second repair (another method,
+    another mask) runs no dense pass and gives the model a fresh repair gives."""
+    model, structure, masks, calib = _setup(conv_bn_folded)
+    cache: dict = {}
+    _, first = repair_model(model, structure, masks, calib, method="cr+bn", dense=cache)
+    assert first.passes["dense"] == 1 and cache
+    model2, structure2, masks2, _ = _setup(conv_bn_folded, S=0.8)
+    cached, second = repair_model(model2, structure2, masks2, calib, method="cr", dense=cache)
+    fresh, _ = repair_model(model2, structure2, masks2, calib, method="cr")
+    assert second.passes["dense"] == 0
+    for t, u in zip(cached.graph.initializer, fresh.graph.initializer):
+        np.testing.assert_array_equal(onnx.numpy_helper.to_array(t),
+                                      onnx.numpy_helper.to_array(u))
+
+
+def test_split_batches_cuts_runs_by_input_values_and_the_repair_ignores_the_split():
+    """split_batches: runs of at most max_values input values (≥ 1 sample), in order, all
+    samples once; a repair on 12 samples in one batch equals the repair on 4 + 4 + 4."""
+    from onnxdiag.sparsity.segments import split_batches
+
+    feeds = [{"x": np.arange(5 * 6, dtype=np.float32).reshape(5, 6), "y": np.arange(5)}]
+    runs = split_batches(feeds, max_values=15)  # 7 values per sample: 2 per run
+    assert [len(r["y"]) for r in runs] == [2, 2, 1]
+    np.testing.assert_array_equal(np.concatenate([r["x"] for r in runs]), feeds[0]["x"])
+    assert [len(r["y"]) for r in split_batches(feeds, max_values=1)] == [1] * 5
+    model, structure, masks, calib = _setup(residual_block)
+    whole = [{k: np.concatenate([f[k] for f in calib]) for k in calib[0]}]
+    a, _ = repair_model(model, structure, masks, whole, method="cr+bn")
+    b, _ = repair_model(model, structure, masks, calib, method="cr+bn")
+    for t, u in zip(a.graph.initializer, b.graph.initializer):
+        x, y = onnx.numpy_helper.to_array(t), onnx.numpy_helper.to_array(u)
+        assert np.abs(x.astype(np.float64) - y).max() <= 1e-6 * max(np.abs(y).max(), 1e-3)

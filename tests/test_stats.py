@@ -212,3 +212,24 @@ def test_update_axis_equals_update_on_the_transposed_rows(full):
     np.testing.assert_allclose(a.var(), ref.var(axis=0, ddof=1), rtol=1e-11)
     if full:
         np.testing.assert_allclose(a.cov(), np.cov(ref, rowvar=False), rtol=1e-11)
+
+
+@pytest.mark.parametrize("shape", [(6, 5, 40, 40), (6, 5, 1, 1), (3, 4, 3, 7, 2), (4, 3, 112)])
+def test_update_channels_equals_float64_moments(shape):
+    """Moments.update_channels (float32 pairwise sums, float64 merge) equals the float64
+    moments of the channels to float32 rounding, whatever the batch split, with a large
+    common offset; float64 input takes the exact update_axis."""
+    rng = np.random.default_rng(3)
+    x = (rng.normal(size=shape) * rng.uniform(0.1, 3, size=(1, shape[1]) + (1,) * (
+        len(shape) - 2)) + 40).astype(np.float32)
+    a = Moments(shape[1], full=False)
+    for part in np.split(np.arange(shape[0]), [1, 3]):
+        a.update_channels(np.ascontiguousarray(x[part]))
+    ref = np.moveaxis(x, 1, -1).reshape(-1, shape[1]).astype(np.float64)
+    assert a.n == ref.shape[0]
+    sd = ref.std(axis=0, ddof=1)
+    assert np.abs(a.mean - ref.mean(axis=0)).max() <= 1e-6 * sd.min()
+    np.testing.assert_allclose(a.var(), ref.var(axis=0, ddof=1), rtol=2e-6)
+    b = Moments(shape[1], full=False).update_channels(x.astype(np.float64))
+    c = Moments(shape[1], full=False).update_axis(x.astype(np.float64), 1)
+    np.testing.assert_array_equal(b.var(), c.var())

@@ -39,7 +39,8 @@ class LayerRepair:
 
     ``kind``: "scale" (CR; a BN follows, the layer sits in a LayerNorm model, or no BN part
     was asked) or "affine" (no BN: CR and re-standardisation in one).  Arrays are (C,);
-    ``shift`` is zeros for "scale".
+    ``shift`` is zeros for "scale"; ``mean_pruned`` / ``sigma_pruned``: the measured
+    output's moments before the fold.
     """
 
     layer: str
@@ -49,6 +50,8 @@ class LayerRepair:
     sigma_dense: np.ndarray
     sigma_pruned: np.ndarray
     n_capped: int
+    mean_pruned: np.ndarray | None = None  # μ^p (C,), before the fold
+    n_samples: int = 0  # samples (images × positions) of the measured moments
 
     def to_dict(self, *, arrays: bool = False) -> dict:
         d = {"layer": self.layer, "kind": self.kind, "n_capped": self.n_capped,
@@ -85,7 +88,10 @@ def output_moments(layer, arrays, acc: Moments | None = None) -> Moments:
             a = a[None]
         if acc is None:
             acc = Moments(a.shape[axis], full=False)
-        acc.update_axis(a, axis)  # no transposed float64 copy (was 2/3 of a repair)
+        if axis == 1:  # float32 pairwise sums merged in float64 (stats.Moments)
+            acc.update_channels(a)
+        else:
+            acc.update_axis(a, axis)
     return acc
 
 
@@ -95,7 +101,8 @@ def dense_moments(model, layers, batches, providers, threads) -> dict[str, Momen
     if not layers:
         return {}
     names = [la.output for la in layers]
-    runner = OrtRunner(expose_tensors(model, names), providers=providers, threads=threads)
+    runner = OrtRunner(expose_tensors(model, names), providers=providers, threads=threads,
+                       spinning=False)  # the moments' NumPy work runs between batches
     acc: dict = {la.node_name: None for la in layers}
     for b in batches:
         out = runner.run(b, names)
@@ -201,7 +208,8 @@ def fold_repair(frontier: dict, editor: ModelEditor, layer, dense: Moments, cr_k
     frontier[layer.output] = [_patched(layer, y, alpha, shift if in_node else None)
                               for y in frontier[layer.output]]
     return LayerRepair(layer.node_name, "affine" if affine else "scale", alpha, shift,
-                       np.sqrt(vd), np.sqrt(vp), int(np.sum(alpha >= cap)))
+                       np.sqrt(vd), np.sqrt(vp), int(np.sum(alpha >= cap)), pruned.mean,
+                       pruned.n)
 
 
 def scale_output_channels(layer, w: np.ndarray, alpha: np.ndarray) -> np.ndarray:
@@ -250,6 +258,11 @@ def _fold_bias(editor, index, layer, node, alpha, dense, pruned, affine) -> tupl
 def _patched(layer, y: np.ndarray, alpha: np.ndarray, in_node) -> np.ndarray:
     """A cached output batch after the fold: α·y (+ the in-node shift)."""
     shape = (1, -1, *[1] * (y.ndim - 2)) if layer.op_type == "Conv" else (-1,)
+    if y.dtype == np.float32 and y.flags.writeable:  # a segment's own output: in place
+        np.multiply(y, alpha.reshape(shape).astype(np.float32), out=y)
+        if in_node is not None:
+            np.add(y, in_node.reshape(shape).astype(np.float32), out=y)
+        return y
     out = y * alpha.reshape(shape).astype(np.float32)
     if in_node is not None:
         out = out + in_node.reshape(shape).astype(np.float32)

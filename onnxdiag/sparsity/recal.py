@@ -30,20 +30,34 @@ class BNRepair:
         return d
 
 
-def recalibrate_bn(frontier: dict, editor: ModelEditor, bn) -> BNRepair:
+def recalibrate_bn(frontier: dict, editor: ModelEditor, bn, known=None) -> BNRepair:
     """Set ``bn``'s running mean / variance in ``editor`` to the batch statistics of its
-    input cached in ``frontier`` (unbiased variance)."""
-    acc = Moments(bn_channels(frontier[bn.input[0]]), full=False)
-    for x in frontier[bn.input[0]]:
-        acc.update_axis(x, 1)  # = update(channel_rows(x)), without the transposed copy
-    mean, var = acc.mean, acc.var()
+    input cached in ``frontier`` (unbiased variance), or to ``known`` = (mean, var, n):
+    those statistics when the caller already has them (e.g. a CR-scaled conv output,
+    :func:`scaled_moments`), which saves the pass over the cached input."""
+    if known is None:
+        acc = Moments(bn_channels(frontier[bn.input[0]]), full=False)
+        for x in frontier[bn.input[0]]:
+            acc.update_channels(x)  # = update(channel_rows(x)) to float32 rounding
+        known = acc.mean, acc.var(), acc.n
+    mean, var, n = known
     for pos, value in ((3, mean), (4, var)):
         old = editor.value(bn.input[pos])
         if old is None:
             raise OnnxDiagError(f"Tensor {bn.input[pos]!r} is not a constant; cannot "
                                 f"recalibrate BatchNormalization {bn.name!r}.")
         editor.set_input(bn.name, pos, value.reshape(old.shape).astype(old.dtype))
-    return BNRepair(bn.name, mean, var, acc.n)
+    return BNRepair(bn.name, mean, var, n)
+
+
+def scaled_moments(repair) -> tuple:
+    """(mean, var, n) of a conv output after a "scale" fold (a CR α, no shift) from the
+    moments measured before it (a :class:`~onnxdiag.sparsity.fold.LayerRepair`): the cached
+    output became α₃₂·y (α rounded to float32, as the patch multiplies), so its moments are
+    α₃₂·μ^p and α₃₂²·σ^p², equal to a pass over the patched batches to float32 rounding."""
+    a = np.asarray(repair.alpha, np.float32).astype(np.float64)
+    n = repair.n_samples
+    return a * repair.mean_pruned, (a * repair.sigma_pruned) ** 2, n
 
 
 def bn_channels(arrays) -> int:

@@ -56,8 +56,14 @@ from .fold import (  # noqa: F401 - LayerRepair, cr_alpha, channel_rows re-expor
 from .ls_dense import ls_dense
 from .ls_repair import LSSettings, ls_sequential
 from .masks import PRUNABLE_OPS, write_masks
-from .recal import BNRepair, affected_tensors, bn_channels, recalibrate_bn  # noqa: F401
-from .segments import SegmentedPass
+from .recal import (  # noqa: F401 - BNRepair, bn_channels re-exported
+    BNRepair,
+    affected_tensors,
+    bn_channels,
+    recalibrate_bn,
+    scaled_moments,
+)
+from .segments import SegmentedPass, split_batches
 
 METHODS = ("none", "bn", "cr", "cr+bn", "layer-cr", "layer-cr+bn", "shrunk-cr", "shrunk-cr+bn",
            "ls", "ls+bn")
@@ -68,7 +74,8 @@ RECALIBRATE = ("affected", "all")
 class RepairRecord:
     """The result of :func:`repair_model` (for the sidecar JSON, METHODS §C5).
 
-    ``passes``: {"dense": full dense passes, "sequential": 1 when anything was repaired,
+    ``passes``: {"dense": dense passes run (0 when a shared cache had the moments),
+    "sequential": 1 when anything was repaired,
     "segments": ONNX Runtime sessions of the sequential pass}.
     """
 
@@ -104,8 +111,8 @@ def parse_method(method: str) -> tuple[str | None, bool]:
 def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *,
                  method: str = "cr+bn", alpha_cap: float = 100.0, n_images: int | None = None,
                  recalibrate: str = "affected", providers=None, threads: int | None = None,
-                 ls: LSSettings | None = None, label: str | None = None
-                 ) -> tuple[onnx.ModelProto, RepairRecord]:
+                 ls: LSSettings | None = None, label: str | None = None,
+                 dense: dict | None = None) -> tuple[onnx.ModelProto, RepairRecord]:
     """Prune ``model`` with ``masks`` and repair it on calibration data (METHODS §C1).
 
     Args:
@@ -118,6 +125,11 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
             (default ``LSSettings()``).
         label: a progress bar with an ETA (stderr, a terminal only) over the sequential
             pass's layers and BNs; None: silent.
+        dense: a cache {layer node name: Moments of its dense output on the same
+            calibration samples}: when it lacks a layer the repair needs, every
+            non-head layer of ``masks`` it lacks is measured (one dense pass) and added,
+            so many repairs of one model (a sweep's cells) share one dense pass and get
+            the same moments whatever their order.
 
     Returns the repaired copy (``model`` is never modified; masks and repairs are one
     edit, checked once by ``ModelEditor.finish``) and its :class:`RepairRecord`, whose
@@ -128,18 +140,24 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
         raise OnnxDiagError(f"recalibrate must be one of {', '.join(RECALIBRATE)}.")
     editor = ModelEditor(model)
     write_masks(editor, masks)
-    batches = collect_batches(calib_source, n_images)
+    batches = split_batches(collect_batches(calib_source, n_images))
     if cr_kind == "ls":
         return _repair_ls(model, editor, structure, masks, batches, method, alpha_cap,
                           recalibrate, ls or LSSettings(), providers, threads)
     plan = _plan(editor, structure, masks, method, recalibrate)
     n = sum(_batch_len(b) for b in batches)
-    passes = {"dense": int(bool(plan.layers)), "sequential": int(bool(plan.layers or plan.bns)),
-              "segments": 0}
+    passes = {"dense": 0, "sequential": int(bool(plan.layers or plan.bns)), "segments": 0}
     if not (plan.layers or plan.bns):
         return editor.finish(), RepairRecord(method, alpha_cap, recalibrate, n, {}, {}, passes,
                                              plan.notes)
-    dense = dense_moments(model, plan.dense_layers, batches, providers, threads)
+    dense = {} if dense is None else dense
+    if any(la.node_name not in dense for la in plan.dense_layers):
+        # every layer a repair may need, in one session whatever this mask needs: the
+        # moments (ORT fuses what is not exposed) are then the same for every repair
+        todo = [la for la in structure.layers if not la.is_head and la.node_name in masks
+                and la.op_type in PRUNABLE_OPS and la.node_name not in dense]
+        dense.update(dense_moments(model, todo, batches, providers, threads))
+        passes["dense"] = 1
     done_layers, done_bns, passes["segments"] = _sequential(
         editor, batches, plan.layers, dense, plan.bns, cr_kind, plan.affine, alpha_cap,
         providers, threads, label)
@@ -259,20 +277,25 @@ def _sequential(editor, batches, layers, dense, bns, cr_kind, affine, alpha_cap,
     """Repair ``layers`` (to ``dense`` moments; ``affine`` {name: bool}) and recalibrate
     ``bns`` of the model in ``editor`` in topological order, each measured with the
     upstream repairs in place; returns (LayerRepair per layer, BNRepair per BN, sessions)."""
-    seg = SegmentedPass(editor.model, batches, providers=providers, threads=threads)
+    # threads sleep between segments: the NumPy work there needs the cores
+    seg = SegmentedPass(editor.model, batches, providers=providers, threads=threads,
+                        spinning=False)
     items = sorted([(seg.position(la.output), 0, i) for i, la in enumerate(layers)]
                    + [(seg.position(b.input[0]), 1, i) for i, b in enumerate(bns)])
-    done_layers, done_bns = {}, {}
+    done_layers, done_bns, scaled = {}, {}, {}
     for pos, kind, i in progress(items, len(items), label) if label else items:
         tensor = layers[i].output if kind == 0 else bns[i].input[0]
         seg.run_to(pos, keep=[tensor])
         if kind == 0:
             la = layers[i]
-            done_layers[la.node_name] = fold_repair(
+            rep = done_layers[la.node_name] = fold_repair(
                 seg.frontier, editor, la, dense[la.node_name], cr_kind, affine[la.node_name],
                 alpha_cap)
+            if rep.kind == "scale" and la.op_type == "Conv":  # its BN's input moments
+                scaled[la.output] = scaled_moments(rep)
         else:
-            done_bns[bns[i].name] = recalibrate_bn(seg.frontier, editor, bns[i])
+            done_bns[bns[i].name] = recalibrate_bn(seg.frontier, editor, bns[i],
+                                                   scaled.get(tensor))
     return done_layers, done_bns, seg.n_segments
 
 
@@ -300,7 +323,7 @@ def recalibrate_batchnorm(model: onnx.ModelProto, calib_source, *, dense_model=N
     (method "bn", recalibrate "all").
     """
     editor = ModelEditor(model)
-    batches = collect_batches(calib_source, n_images)
+    batches = split_batches(collect_batches(calib_source, n_images))
     n = sum(_batch_len(b) for b in batches)
     index = editor.index
     bns = [node for node in index.nodes if node.op_type == "BatchNormalization"]

@@ -187,7 +187,8 @@ def _capture_session(model, index: GraphIndex, layers, positions, providers, thr
     last = {}
     if last_of:  # sampled convs gather C-vectors from a channels-last copy
         capture, last = expose_channels_last(capture, last_of, tag="rr_channels_last")
-    runner = OrtRunner(capture, providers=providers, threads=threads)
+    # threads sleep between batches: each batch's folding (NumPy, BLAS) needs the cores
+    runner = OrtRunner(capture, providers=providers, threads=threads, spinning=False)
     return runner, exposed + list(last.values()), last
 
 

@@ -168,6 +168,7 @@ class Pruner:
         self.head = self.structure.head
         dense = self.logits(self.model)
         self.dense_pred = dense.argmax(axis=1)
+        self.dense_moments = {}  # the repairs' dense layer-output moments, shared by cells
 
     @property
     def n_images(self) -> int:
@@ -185,7 +186,8 @@ class Pruner:
         return repair_model(self.model, self.structure, masks, self.calib, method=method,
                             alpha_cap=self.alpha_cap, recalibrate=self.recalibrate,
                             providers=self.providers, threads=self.threads, ls=self.ls,
-                            label=self.label and f"{self.label} ({method})")
+                            label=self.label and f"{self.label} ({method})",
+                            dense=self.dense_moments)
 
     def logits(self, model, runner=None) -> np.ndarray:
         """Head logits of ``model`` on the calibration set."""
