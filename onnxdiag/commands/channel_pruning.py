@@ -136,7 +136,8 @@ def recalibrate_pruned(model, calib, providers, dense, structure, removed, *, th
     calibration batches and the dense statistics once. ``features``: the features tensor
     the head was named with (``--features``), if any."""
     from ..model.finalize import finalize_model
-    from ..sparsity.repair import collect_batches, conv_output_moments, recalibrate_batchnorm
+    from ..sparsity.repair import conv_output_moments, recalibrate_batchnorm
+    from ..sparsity.segments import collect_batches
     from ..structured import kept_output_channels
 
     cache = {} if cache is None else cache

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from ..errors import DataError, OnnxDiagError
+from ..errors import OnnxDiagError
 from ..graph import GraphIndex
 from ..model.edit import ModelEditor
 from ..runtime.progress import progress
@@ -63,7 +63,7 @@ from .recal import (  # noqa: F401 - BNRepair, bn_channels re-exported
     recalibrate_bn,
     scaled_moments,
 )
-from .segments import SegmentedPass, split_batches
+from .segments import SegmentedPass, batch_len, collect_batches, split_batches
 
 METHODS = ("none", "bn", "cr", "cr+bn", "layer-cr", "layer-cr+bn", "shrunk-cr", "shrunk-cr+bn",
            "ls", "ls+bn")
@@ -145,7 +145,7 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
         return _repair_ls(model, editor, structure, masks, batches, method, alpha_cap,
                           recalibrate, ls or LSSettings(), providers, threads)
     plan = _plan(editor, structure, masks, method, recalibrate)
-    n = sum(_batch_len(b) for b in batches)
+    n = sum(batch_len(b) for b in batches)
     passes = {"dense": 0, "sequential": int(bool(plan.layers or plan.bns)), "segments": 0}
     if not (plan.layers or plan.bns):
         return editor.finish(), RepairRecord(method, alpha_cap, recalibrate, n, {}, {}, passes,
@@ -183,7 +183,7 @@ def _repair_ls(model, editor, structure, masks, batches, method, alpha_cap, reca
     bns = [node for node in editor.index.nodes if with_bn
            and node.op_type == "BatchNormalization"
            and (recalibrate == "all" or node.input[0] in affected)]
-    n = sum(_batch_len(b) for b in batches)
+    n = sum(batch_len(b) for b in batches)
     if dense:
         done_layers, dense_runs = ls_dense(editor, model, batches, layers, masks, settings,
                                            providers, threads)
@@ -324,7 +324,7 @@ def recalibrate_batchnorm(model: onnx.ModelProto, calib_source, *, dense_model=N
     """
     editor = ModelEditor(model)
     batches = split_batches(collect_batches(calib_source, n_images))
-    n = sum(_batch_len(b) for b in batches)
+    n = sum(batch_len(b) for b in batches)
     index = editor.index
     bns = [node for node in index.nodes if node.op_type == "BatchNormalization"]
     folded = _convs_without_bn(editor.model, head)
@@ -382,22 +382,3 @@ def _convs_without_bn(model: onnx.ModelProto, head: str | None) -> list:
     structure = analyze_structure(model, head=head, require_head=head is not None)
     return [la for la in structure.layers
             if la.op_type == "Conv" and not la.is_head and la.bn_node is None]
-
-
-def collect_batches(source, n_images: int | None) -> list[dict]:
-    feeds_iter = (b.feeds for b in source.batches()) if hasattr(source, "batches") else source
-    batches, seen = [], 0
-    for feeds in feeds_iter:
-        take = _batch_len(feeds) if n_images is None else min(n_images - seen, _batch_len(feeds))
-        if take <= 0:
-            break
-        batches.append({k: np.asarray(v)[:take] for k, v in feeds.items()})
-        seen += take
-    if seen < 2:
-        raise DataError(f"Repair needs at least 2 calibration samples, got {seen}; pass more "
-                        "calibration data.")
-    return batches
-
-
-def _batch_len(feeds: dict) -> int:
-    return int(np.shape(next(iter(feeds.values())))[0])

@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from ..errors import DataError
 from ..graph import GraphIndex
 from ..runtime.runner import OrtRunner
 
@@ -149,3 +150,25 @@ class SegmentedPass:
         elem = helper.np_dtype_to_tensor_dtype(np.asarray(arr).dtype)
         shape = [] if np.ndim(arr) == 0 else ["batch", *np.shape(arr)[1:]]
         return helper.make_tensor_value_info(name, elem, shape)
+
+
+def collect_batches(source, n_images: int | None) -> list[dict]:
+    """The first ``n_images`` (None: all) of ``source`` (a DataSource or feed dicts) as
+    feed dicts; DataError with fewer than 2."""
+    feeds_iter = (b.feeds for b in source.batches()) if hasattr(source, "batches") else source
+    batches, seen = [], 0
+    for feeds in feeds_iter:
+        take = batch_len(feeds) if n_images is None else min(n_images - seen, batch_len(feeds))
+        if take <= 0:
+            break
+        batches.append({k: np.asarray(v)[:take] for k, v in feeds.items()})
+        seen += take
+    if seen < 2:
+        raise DataError(f"Repair needs at least 2 calibration samples, got {seen}; pass more "
+                        "calibration data.")
+    return batches
+
+
+def batch_len(feeds: dict) -> int:
+    """The number of samples in one feed dict."""
+    return int(np.shape(next(iter(feeds.values())))[0])
