@@ -112,10 +112,10 @@ def test_failed_shard_is_named_not_merged(model, monkeypatch):
     # 5 batches in 3 shards: batches 0-1, 2, 3-4; break the one holding sample 128
     bad = selected[128]
 
-    def broken(acc, x, ctx, *args):
-        if bad in ctx.indices:
+    def broken(acc, x, t, t_null, indices, *args):
+        if bad in indices:
             raise RuntimeError("disk read error")
-        return fold(acc, x, ctx, *args)
+        return fold(acc, x, t, t_null, indices, *args)
 
     monkeypatch.setattr(moments, "_fold", broken)
     # A RuntimeError in a worker is a bug, not a user error: it stops the command as a

@@ -116,16 +116,17 @@ def check_settings(settings: StatsSettings, source, structure) -> tuple[str, lis
 def collect_channel_moments(model, structure, source, settings: StatsSettings | None = None, *,
                             providers=None, label: str | None = None,
                             runner: OrtRunner | None = None, overlap: bool = True,
-                            fold_threads: int | None = None, **fields) -> ChannelStats:
+                            **fields) -> ChannelStats:
     """Stream ``source`` once and accumulate every analysed layer's moments (§B1).
 
     ``settings``: a :class:`StatsSettings`, or its fields as keywords (``layers=…,
     targets=…, seed=…``; given fields replace those of ``settings``). ``runner``: a
     session from :func:`make_stats_runner` with the same layers and taps, to reuse
     across passes (otherwise one is made with ``providers``). ``overlap``: fold each
-    batch's statistics on worker threads while the next batch runs, its layers spread
-    over ``fold_threads`` threads (default one; the same result, bit for bit).
-    ``label``: a progress bar. Never modifies ``model``.
+    batch's statistics on a worker thread while the next batch runs (same result, in
+    the same order; the session then leaves that thread a core where the fold is large,
+    :func:`~onnxdiag.channels.threads.session_threads`). ``label``: a progress bar.
+    Never modifies ``model``.
 
     Raises OnnxDiagError (bad settings, no analysable layer, a runner that does not
     expose this pass's tensors).
@@ -144,49 +145,32 @@ def collect_channel_moments(model, structure, source, settings: StatsSettings | 
                             "the analysed layers; make it with make_stats_runner(model, "
                             "structure, layers, tap=…) with this pass's settings.")
     folder = BatchFolder(chosen, taps, names, structure.head, settings, targets)
-    n_images = _fold_stream(runner.stream(source, fetch, label=label), folder, overlap,
-                            fold_threads)
+    n_images = _fold_stream(runner.stream(source, fetch, label=label), folder.fold, overlap)
     return ChannelStats(layers=folder.acc, targets=targets, task_samples=settings.task_samples,
                         n_positions=settings.n_positions, seed=settings.seed,
                         n_images=n_images, data=source.describe(), taps=tap_names(taps),
                         kinds=analysed_kinds(chosen))
 
 
-def _fold_stream(stream, folder: BatchFolder, overlap: bool, workers: int | None = None) -> int:
-    """Fold every ``(batch, outputs)`` of ``stream`` in order; the number of images.
-
-    ``overlap``: fold batch b on worker threads while ONNX Runtime runs batch b + 1
-    (both release the GIL; at most two batches are held), its layers spread over
-    ``workers`` threads (default one, at most one per layer: on the project's 2-core
-    machine a second fold thread competes with ONNX Runtime's and was no faster,
-    benchmarks/RESULTS.md; more pay where the fold, not the session, is the bottleneck
-    on many cores). Each layer folds its batches in order, so the moments are those of
-    the serial fold, bit for bit.
-    """
+def _fold_stream(stream, fold, overlap: bool) -> int:
+    """Fold every ``(batch, outputs)`` of ``stream`` in order; the number of images."""
     n_images = 0
     with single_threaded_blas():
         if not overlap:
             for batch, out in stream:
-                n_images += folder.fold(batch, out)
+                n_images += fold(batch, out)
             return n_images
-        workers = max(1, min(len(folder.chosen), workers or 1))
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            pending: list = []
+        # Fold batch b on a worker thread while ONNX Runtime runs batch b + 1 (both
+        # release the GIL); batches are folded in order, at most two are held.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pending = None
             for batch, out in stream:
-                ctx = folder.prepare(batch, out)
-                for done in pending:  # batch b − 1's layers, before b's are queued
-                    done.result()
-                pending = [pool.submit(folder.fold_layer, la, ctx, out)
-                           for la in _by_cost(folder.chosen)]
-                n_images += len(ctx.t)
-            for done in pending:
-                done.result()
+                if pending is not None:
+                    n_images += pending.result()
+                pending = pool.submit(fold, batch, out)
+            if pending is not None:
+                n_images += pending.result()
     return n_images
-
-
-def _by_cost(layers) -> list:
-    """The layers, widest first (the longest folds start first on the worker threads)."""
-    return sorted(layers, key=lambda la: -la.n_out)
 
 
 def _stats_model(model, chosen, head, taps: dict) -> tuple:
@@ -323,5 +307,4 @@ def _shard_unit(item, model_bytes: bytes, shared, job) -> ChannelStats:
     runner = make_stats_runner(model, structure, job.settings, providers=job.providers,
                                threads=job.threads)
     source = shards.shard_source(item, model, shared, job)
-    return collect_channel_moments(model, structure, source, job.settings, runner=runner,
-                                   fold_threads=job.threads)
+    return collect_channel_moments(model, structure, source, job.settings, runner=runner)

@@ -9,7 +9,6 @@ across shards, exact for any batch split to float64 rounding.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -97,11 +96,6 @@ class BatchFolder:
     ``chosen``: the analysed Layers; ``taps``: layer → "output" or an InputTap;
     ``names``: layer tensor → its exposed channels-last output; ``head``: the Head;
     ``settings``: the pass's StatsSettings; ``targets``: "labels" or "pseudo".
-
-    A batch is :meth:`prepare` d once (its targets and position draws), then each layer
-    is folded by :meth:`fold_layer`, which touches that layer's accumulators only: the
-    layers of one batch may fold on different threads (each thread has its own work
-    buffers), as long as each layer folds its batches in order.
     """
 
     def __init__(self, chosen, taps: dict, names: dict, head, settings, targets: str):
@@ -109,79 +103,32 @@ class BatchFolder:
         self.settings, self.targets = settings, targets
         self.acc = {la.node_name: LayerMoments.empty(la, settings.task_samples)
                     for la in chosen}
-        self._local = threading.local()  # per thread: float32 work buffers by shape
+        self.buffers: dict = {}  # reused float32 work buffers, one per (rows, columns)
 
     def fold(self, batch, out) -> int:
-        """Fold ``out`` (the pass's outputs for ``batch``) into every layer, in this
-        thread; the number of images."""
-        ctx = self.prepare(batch, out)
-        for la in self.chosen:
-            self.fold_layer(la, ctx, out)
-        return len(ctx.t)
-
-    def prepare(self, batch, out) -> BatchContext:
-        """The batch's targets T, permutation control and position draws (one per
-        spatial size, shared by the layers of that size)."""
+        """Fold ``out`` (the pass's outputs for ``batch``); the number of images."""
         s = self.settings
         _, U = head_arrays(out, self.head)
         if self.targets == "labels":
             check_batch_labels(batch.labels, batch.indices, U.shape[1], "the --data labels")
         t = target_margin(U, batch.labels if self.targets == "labels" else None)
-        sizes = set()
+        t_null = _shuffle(t, s.seed, batch.indices)
+        both = np.column_stack([t, t_null])
+        positions: dict[int, tuple] = {}
         for la in self.chosen:
-            if not isinstance(self.taps[la.node_name], InputTap):
+            tap, acc = self.taps[la.node_name], self.acc[la.node_name]
+            if isinstance(tap, InputTap):
+                samples = tap.samples(out[self.names[la.input]], batch.indices,
+                                      s.n_positions, s.seed)
+                _fold_rows(acc.task, samples, both, samples.shape[0] // len(t), self.buffers)
+                acc.n_images += len(t)
+            else:
                 x = out[self.names[la.output]]
-                shape = x.shape if la.op_type.startswith("Conv") else \
-                    token_rows(x, len(t)).shape
-                sizes.add(int(np.prod(shape[1:-1])))
-        return BatchContext.draw(batch.indices, t, _shuffle(t, s.seed, batch.indices), sizes,
-                                 s.n_positions, s.seed)
-
-    def fold_layer(self, la, ctx: BatchContext, out) -> None:
-        """Fold one layer's part of a prepared batch into its accumulators."""
-        s = self.settings
-        tap, acc = self.taps[la.node_name], self.acc[la.node_name]
-        buffers = self._buffers()
-        if isinstance(tap, InputTap):
-            samples = tap.samples(out[self.names[la.input]], ctx.indices,
-                                  s.n_positions, s.seed)
-            _fold_rows(acc.task, samples, ctx.both, samples.shape[0] // len(ctx.t), buffers)
-            acc.n_images += len(ctx.t)
-            return
-        x = out[self.names[la.output]]
-        if not la.op_type.startswith("Conv"):  # (…, C) rows: inputs × tokens
-            x = token_rows(x, len(ctx.t))
-        _fold(acc, x, ctx, s.task_samples, buffers)
-
-    def _buffers(self) -> dict:
-        buffers = getattr(self._local, "buffers", None)
-        if buffers is None:
-            buffers = self._local.buffers = {}
-        return buffers
-
-
-@dataclass(frozen=True)
-class BatchContext:
-    """What every layer of one batch shares: the images' global ``indices``, targets
-    ``t``, permutation control ``t_null``, both as columns (``both``), and per spatial
-    size the sampled rows of the (n·HW, C) view and the samples per image k."""
-
-    indices: np.ndarray
-    t: np.ndarray
-    t_null: np.ndarray
-    both: np.ndarray
-    positions: dict
-
-    @classmethod
-    def draw(cls, indices, t, t_null, sizes, n_positions: int, seed: int) -> BatchContext:
-        """The context of a batch whose layers have the spatial ``sizes`` (HW…): the
-        positions :func:`draw_positions` gives each image, as rows of (n·HW, C)."""
-        n = len(t)
-        positions = {}
-        for hw in sorted(sizes):
-            pos = draw_positions(hw, n_positions, seed=seed, sample_indices=indices)
-            positions[hw] = ((pos + np.arange(n)[:, None] * hw).reshape(-1), pos.shape[1])
-        return cls(indices, t, t_null, np.column_stack([t, t_null]), positions)
+                if not la.op_type.startswith("Conv"):  # (…, C) rows: inputs × tokens
+                    x = token_rows(x, len(t))
+                _fold(acc, x, t, t_null, batch.indices, positions,
+                      s.n_positions, s.seed, s.task_samples, self.buffers)
+        return len(t)
 
 
 def _shuffle(t: np.ndarray, seed: int, indices: np.ndarray) -> np.ndarray:
@@ -194,24 +141,28 @@ def _shuffle(t: np.ndarray, seed: int, indices: np.ndarray) -> np.ndarray:
     return t[np.random.default_rng([seed, 7919, first]).permutation(len(t))]
 
 
-def _fold(acc: LayerMoments, x: np.ndarray, ctx: BatchContext, task_samples: str,
-          buffers: dict) -> None:
+def _fold(acc: LayerMoments, x: np.ndarray, t, t_null, indices, positions, n_positions, seed,
+          task_samples, buffers: dict) -> None:
     """Fold one layer's batch output into its moments (the hot loop of the pass).
 
     ``x`` is channels-last, ``(n, *spatial, C)`` (a linear layer's ``(n, tokens, C)``),
     so the sampled positions are whole rows of ``x`` viewed as (n·HW, C): one ``take``
-    gathers them (the batch's rows per spatial size are in ``ctx.positions``).
+    gathers them. ``positions`` caches the
+    batch's rows per spatial size (layers of one size share their draw).
     """
     n, c = x.shape[0], x.shape[-1]
     hw = int(np.prod(x.shape[1:-1]))
-    rows, k = ctx.positions[hw]
+    if hw not in positions:
+        pos = draw_positions(hw, n_positions, seed=seed, sample_indices=indices)
+        positions[hw] = ((pos + np.arange(n)[:, None] * hw).reshape(-1), pos.shape[1])
+    rows, k = positions[hw]
     samples = np.take(x.reshape(n * hw, c), rows, axis=0)  # (n·k, C), image-major
     if task_samples == "match":
-        _fold_rows(acc.task, samples, ctx.both, k, buffers)
+        _fold_rows(acc.task, samples, np.column_stack([t, t_null]), k, buffers)
     else:
         _fold_rows(acc.local, samples, None, k, buffers)
         means = x.reshape(n, hw, c).mean(axis=1, dtype=np.float64)
-        acc.task.update(np.column_stack([means, ctx.t, ctx.t_null]))
+        acc.task.update(np.column_stack([means, t, t_null]))
     acc.n_images += n
 
 

@@ -63,7 +63,7 @@ def training_base(model: onnx.ModelProto, head) -> onnx.ModelProto:
 
 #: Ops whose ORT gradient reads optional outputs an inference export leaves out (the
 #: statistics LayerNormalization saves for its backward pass): op → number of outputs.
-SAVED_OUTPUTS = {"LayerNormalization": 3, "SimplifiedLayerNormalization": 2}
+SAVED_OUTPUTS = {"LayerNormalization": 3}
 
 
 def saved_statistics(model: onnx.ModelProto) -> None:
