@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from corpus import conv_bn_folded, depthwise_pointwise, random_feeds, run_ort
+from corpus import (
+    conv1d_head,
+    conv_bn_folded,
+    conv_geometry_head,
+    depthwise_pointwise,
+    gemm_head,
+    random_feeds,
+    run_ort,
+)
 from exports import digits_mlp
 
 from onnxdiag.graph import GraphIndex, analyze_structure
@@ -23,8 +31,15 @@ from onnxdiag.sparsity import (
     read_weights,
     repair_model,
 )
-from onnxdiag.sparsity.ls_repair import LSSettings
-from onnxdiag.sparsity.lsq import CrossMoments, reconstruct_rows, solve_rows, sparsegpt_rows
+from onnxdiag.sparsity.ls_repair import LSSettings, dense_output, output_rows, weight_rows
+from onnxdiag.sparsity.lsq import (
+    CrossMoments,
+    TargetMoments,
+    reconstruct_rows,
+    solve_rows,
+    sparsegpt_rows,
+)
+from onnxdiag.sparsity.offline import layer_op, sampled_columns
 from onnxdiag.sparsity.sweep import Pruner
 
 
@@ -152,9 +167,9 @@ def test_zero_pruning_is_the_identity():
     acc = CrossMoments(1, 12, dtype=np.float64).update(x[:, None], x[:, None])
     w, full = rng.standard_normal((5, 12)), np.ones((5, 12), bool)
     for method in ("exact", "sparsegpt"):
-        got = reconstruct_rows(w, full, acc.moments(0), method=method)[0]
+        got = reconstruct_rows(w, full, acc.row_moments(0, w), method=method)[0]
         np.testing.assert_allclose(got, w, rtol=1e-10, atol=1e-10)
-    shrunk = reconstruct_rows(w, full, acc.moments(0), prior="zero")[0]
+    shrunk = reconstruct_rows(w, full, acc.row_moments(0, w), prior="zero")[0]
     assert np.abs(shrunk - w).max() > 1e-4
 
 
@@ -174,30 +189,87 @@ def test_sparsegpt_sweep_is_close_to_exact_and_exact_without_pruning():
     xd = rng.standard_normal((n, k)) @ (np.eye(k) + 0.3 * rng.standard_normal((k, k)))
     xp = xd + 0.3 * rng.standard_normal((n, k))  # upstream damage
     acc = CrossMoments(1, k, dtype=np.float64).update(xp[:, None], xd[:, None])
-    h_pp, h_pd, _, _ = acc.moments(0)
     w = rng.standard_normal((16, k))
+    h_pp, hw, _, _ = acc.row_moments(0, w)
+    h_pd = acc.moments(0)[1]
     lam = 0.01 * np.mean(np.diag(h_pp))
     full = np.ones_like(w, bool)
-    np.testing.assert_allclose(sparsegpt_rows(w, full, h_pp, h_pd, lam),
-                               solve_rows(w, full, h_pp, h_pd, lam), rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(sparsegpt_rows(w, full, h_pp, hw, lam),
+                               solve_rows(w, full, h_pp, hw, lam), rtol=1e-9, atol=1e-9)
     prefix = full.copy()
     for i in range(16):
         prefix[i, :i + 1] = False
-    np.testing.assert_allclose(sparsegpt_rows(w, prefix, h_pp, h_pd, lam),
-                               solve_rows(w, prefix, h_pp, h_pd, lam), rtol=1e-8, atol=1e-8)
+    np.testing.assert_allclose(sparsegpt_rows(w, prefix, h_pp, hw, lam),
+                               solve_rows(w, prefix, h_pp, hw, lam), rtol=1e-8, atol=1e-8)
     mask = np.abs(w) >= np.quantile(np.abs(w), 0.5, axis=1, keepdims=True)
     yd_sq = float(np.einsum("ik,kl,il->", w, xd.T @ xd / n, w))
 
     def f(v):
         return _objective(v, w, mask, h_pp, h_pd, yd_sq, lam)
 
-    best = f(solve_rows(w, full, h_pp, h_pd, lam))
-    exact, sgpt = f(solve_rows(w, mask, h_pp, h_pd, lam)), f(sparsegpt_rows(
-        w, mask, h_pp, h_pd, lam))
+    best = f(solve_rows(w, full, h_pp, hw, lam))
+    exact, sgpt = f(solve_rows(w, mask, h_pp, hw, lam)), f(sparsegpt_rows(
+        w, mask, h_pp, hw, lam))
     naive = f(np.where(mask, w, 0))
     assert exact <= sgpt * (1 + 1e-9)
     assert sgpt - best <= 2 * (exact - best) and sgpt - best < 0.75 * (naive - best)
-    assert np.all(sparsegpt_rows(w, mask, h_pp, h_pd, lam)[~mask] == 0)
+    assert np.all(sparsegpt_rows(w, mask, h_pp, hw, lam)[~mask] == 0)
+
+
+@pytest.mark.parametrize("build", [conv_geometry_head, conv1d_head, depthwise_pointwise,
+                                   lambda: gemm_head(trans_b=False)])
+@pytest.mark.parametrize("positions", [None, 3])
+def test_dense_outputs_read_off_the_pass_equal_the_columns_times_weights(build, positions):
+    """The dense layer outputs the sequential LS reads off ONNX Runtime (its own bias, or
+    a Gemm's β·C, removed; sampled at the columns' positions) equal W x_d computed from
+    the sampled input columns, row for row: dilation, strides, pads, SAME_UPPER, groups,
+    a 1-D conv, a depthwise conv, a Gemm with α = 0.5, β = 2 and its weight stored (in, out)."""
+    model = build()
+    index = GraphIndex(model)
+    feeds = random_feeds(model, batch=5, seed=4)
+    for la in find_prunable(analyze_structure(model)):
+        node = index.get_node(la.node_name)
+        got = run_ort(model, feeds, [la.input, node.output[0]]) if la.input not in feeds else {
+            la.input: feeds[la.input], **run_ort(model, feeds, [node.output[0]])}
+        op = layer_op(index, la)
+        w = index.get_constant(la.weight)
+        g = op.groups if op.kind == "conv" else 1
+        draw = dict(seed=7, sample_indices=np.arange(10, 15))
+        cols = sampled_columns(op, got[la.input], tuple(w.shape[2:]), positions, **draw)
+        rows = weight_rows(la, op, w).reshape(g, -1, cols.shape[2])
+        ref = np.einsum("mgk,gok->mgo", cols.astype(np.float64), rows)
+        y = output_rows(op, dense_output(index, la, got[node.output[0]]), g, positions,
+                        **draw)
+        assert y.shape == ref.shape
+        np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+
+
+def test_target_moments_equal_the_cross_gram_projection():
+    """TargetMoments (x_p against y_d = W x_d, no K × K cross Gram) gives the row solves'
+    inputs H_pd wᵀ, W μ_d and E[y_d²] of the full cross moments: to float64 rounding in
+    float64, to float32 rounding in float32; x_p = x_d (y_d None) projects H_pp; the sums
+    do not depend on the batch split."""
+    rng = np.random.default_rng(3)
+    g, k, per, m = 2, 9, 5, 400
+    xd = rng.standard_normal((m, g, k)) + 0.5
+    xp = xd + 0.2 * rng.standard_normal((m, g, k))
+    w = rng.standard_normal((g, per, k))
+    yd = np.einsum("mgk,gpk->mgp", xd, w)
+    full = CrossMoments(g, k, dtype=np.float64).update(xp, xd)
+    for dtype, tol in ((np.float64, 1e-11), (np.float32, 2e-6)):
+        tm = TargetMoments(g, k, per, dtype=dtype).update(xp[:150], yd[:150]).merge(
+            TargetMoments(g, k, per, dtype=dtype).update(xp[150:], yd[150:]))
+        for j in range(g):
+            for got, ref in zip(tm.row_moments(j, w[j]), full.row_moments(j, w[j])):
+                np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * np.abs(ref).max())
+            ref_sq = np.mean(yd[:, j] ** 2, axis=0)
+            np.testing.assert_allclose(tm.output_sq(j, w[j]), ref_sq, rtol=tol)
+    same = TargetMoments(g, k, per, dtype=np.float64).update(xd, None)
+    dense = CrossMoments(g, k, dtype=np.float64).update(xd, xd)
+    for got, ref in zip(same.row_moments(1, w[1]), dense.row_moments(1, w[1])):
+        np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(same.output_sq(1, w[1]), np.mean(yd[:, 1] ** 2, axis=0),
+                               rtol=1e-10)
 
 
 def test_cross_moments_do_not_depend_on_the_batch_split():

@@ -6,11 +6,14 @@ in topological order, each on its input in the partially repaired model: two
 :class:`~onnxdiag.sparsity.segments.SegmentedPass` runs advance side by side, the dense
 model (x_d) and the model being edited (x_p). At a layer's input both passes stop, the
 layer's columns (im2col patches for a conv, rows for a linear layer: every leading axis a
-position) feed :class:`~onnxdiag.sparsity.lsq.CrossMoments`, the rows are solved
+position) and the dense layer's outputs at the same positions (read off the dense pass,
+its bias removed) feed
+:class:`~onnxdiag.sparsity.lsq.TargetMoments`, the rows are solved
 (:func:`~onnxdiag.sparsity.lsq.reconstruct_rows`), and the new weight and bias are written
 before the layer runs. With ``+bn`` each BatchNormalization downstream of a pruned weight
 is then recalibrated at its input, as in §C1. Cost: one dense and one sequential pass
-(each node once per image), plus the Gram products (P·K² per layer) and the solves.
+(each node once per image), plus the Gram products (P·K² per layer, and P·K·C_out for
+the cross term) and the solves.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ import numpy as np
 
 from ..errors import OnnxDiagError
 from ..graph import GraphIndex
+from ..graph.index import get_attr
 from ..model.edit import ModelEditor
 from ..runtime.runner import single_threaded_blas
+from ..stats import draw_positions
 from .fold import bias_state
-from .lsq import EXACT_MAX, PRIORS, RIDGE, CrossMoments, output_errors, reconstruct_rows
-from .offline import layer_op, sampled_columns
+from .lsq import EXACT_MAX, PRIORS, RIDGE, TargetMoments, output_errors, reconstruct_rows
+from .offline import layer_op, sampled_columns, sampled_rows
 from .recal import recalibrate_bn
 from .segments import SegmentedPass
 
@@ -120,6 +125,10 @@ def _ls_pass(editor, dense_model, batches, layers, masks, bns, affected, setting
     dense_index = GraphIndex(dense_model)
     items = sorted([(seg_p.position(la.input), 0, i) for i, la in enumerate(layers)]
                    + [(seg_p.position(b.input[0]), 1, i) for i, b in enumerate(bns)])
+    # the dense layers' outputs y_d = W x_d (+ bias) stay in the dense frontier until used:
+    # a later layer's output may be produced in an earlier layer's segment
+    pending = {la.node_name: dense_index.get_node(la.node_name).output[0]
+               for la in layers if la.input in affected}
     done_layers, done_bns = {}, {}
     for pos, kind, i in items:
         if kind == 1:
@@ -128,50 +137,78 @@ def _ls_pass(editor, dense_model, batches, layers, masks, bns, affected, setting
             continue
         la = layers[i]
         seg_p.run_to(pos, keep=[la.input])
-        xs_d = None
-        if la.input in affected:
-            seg_d.run_to(seg_d.position(la.input), keep=[la.input])
-            xs_d = seg_d.frontier[la.input]
+        ys_d = None
+        if la.node_name in pending:
+            out = pending.pop(la.node_name)
+            seg_d.run_to(max(seg_d.done, seg_d.position(out)), keep=[out, *pending.values()])
+            ys_d = [dense_output(dense_index, la, y) for y in seg_d.frontier[out]]
         w = np.asarray(dense_index.get_constant(la.weight))
         done_layers[la.node_name] = refit_layer(
             editor, la, w, np.asarray(masks[la.node_name], bool), seg_p.frontier[la.input],
-            xs_d, settings)
+            ys_d, settings)
     return done_layers, done_bns, seg_p.n_segments + seg_d.n_segments
 
 
-def refit_layer(editor: ModelEditor, layer, w: np.ndarray, mask: np.ndarray, xs_p, xs_d,
+def dense_output(dense_index: GraphIndex, layer, y: np.ndarray) -> np.ndarray:
+    """The dense layer's output ``y`` (its node's first output) less its own bias:
+    y_d = W x_d with W as :func:`weight_rows` holds it (a Gemm's α included, β·C
+    removed); a MatMul's output has no bias to remove."""
+    node = dense_index.get_node(layer.node_name)
+    if layer.op_type == "MatMul" or len(node.input) < 3 or not node.input[2]:
+        return y
+    b = np.asarray(dense_index.get_constant(node.input[2]), np.float32)
+    if layer.op_type == "Conv":
+        return y - b.reshape(1, -1, *([1] * (y.ndim - 2)))
+    return y - np.float32(get_attr(node, "beta", 1.0)) * b
+
+
+def output_rows(op, y: np.ndarray, groups: int, positions: int | None, *, seed: int,
+                sample_indices) -> np.ndarray:
+    """``y`` (a conv's (n, C_out, *spatial), a linear layer's (..., n_out)) at the
+    positions :func:`~onnxdiag.sparsity.offline.sampled_columns` takes, as (m, groups,
+    C_out / groups): row r is the output of column r."""
+    if op.kind == "conv":
+        n, c = y.shape[:2]
+        flat = np.ascontiguousarray(np.moveaxis(y.reshape(n, c, -1), 1, -1))  # (n, HW, C)
+        if positions is not None and flat.shape[1] > positions:
+            at = draw_positions(flat.shape[1], positions, seed=seed,
+                                sample_indices=sample_indices)
+            flat = flat[np.arange(n)[:, None], at]
+        return flat.reshape(-1, groups, c // groups)
+    rows = y.reshape(-1, y.shape[-1]) if positions is None else sampled_rows(
+        y, positions, seed=seed, sample_indices=sample_indices)[:, 0]
+    return rows.reshape(-1, 1, y.shape[-1])
+
+
+def refit_layer(editor: ModelEditor, layer, w: np.ndarray, mask: np.ndarray, xs_p, ys_d,
                 settings: LSSettings) -> LSRepair:
-    """Stream the layer's columns (``xs_d`` None: its input is the dense one), solve its
-    rows per group, write weight and bias into ``editor``; returns the record."""
+    """Stream the layer's columns against the dense outputs ``ys_d`` (per batch, as
+    :func:`dense_output` gives them; None: its input is the dense one), solve its rows
+    per group, write weight and bias into ``editor``; returns the record."""
     index = editor.index  # rebuilt after each edit: read it once per layer
     op = layer_op(index, layer)
     rows = weight_rows(layer, op, w)
     kernel = tuple(w.shape[2:]) if layer.op_type == "Conv" else ()
     g = op.groups if op.kind == "conv" else 1
     per = rows.shape[0] // g
-    acc, yd_sq = CrossMoments(g, rows.shape[1]), np.zeros(rows.shape[0])
-    wt = rows.astype(np.float32).reshape(g, per, -1)
+    acc = TargetMoments(g, rows.shape[1], per)
     start = 0
     for j, xp in enumerate(xs_p):
         images = np.arange(start, start + len(xp))
         start += len(xp)
-
         draw = dict(seed=settings.seed, sample_indices=images)
         cols_p = sampled_columns(op, xp, kernel, settings.positions, **draw)
-        cols_d = cols_p if xs_d is None else sampled_columns(op, xs_d[j], kernel,
-                                                             settings.positions, **draw)
-        acc.update(cols_p, cols_d)
-        for k in range(g):
-            y = cols_d[:, k, :] @ wt[k].T  # the dense output w_iᵀx_d, float32
-            yd_sq[k * per:(k + 1) * per] += np.einsum("ij,ij->j", y, y, dtype=np.float64)
-    yd_sq /= max(acc.n, 1)
+        acc.update(cols_p, None if ys_d is None else output_rows(  # None: from H_pp
+            op, ys_d[j], g, settings.positions, **draw))
+    yd_sq = np.concatenate([acc.output_sq(k, rows[k * per:(k + 1) * per]) for k in range(g)])
     return fit_layer(editor, layer, op, w, mask, acc, yd_sq, settings)
 
 
 def fit_layer(editor: ModelEditor, layer, op, w: np.ndarray, mask: np.ndarray,
-              acc: CrossMoments, yd_sq: np.ndarray, settings: LSSettings) -> LSRepair:
-    """Solve ``layer``'s rows per group from its moments ``acc`` (``yd_sq``: E[(w_iᵀx_d)²]
-    per row), write weight and bias into ``editor``; returns the record."""
+              acc, yd_sq: np.ndarray, settings: LSSettings) -> LSRepair:
+    """Solve ``layer``'s rows per group from its moments ``acc`` (a
+    :class:`~onnxdiag.sparsity.lsq.TargetMoments` or ``CrossMoments``; ``yd_sq``:
+    E[(w_iᵀx_d)²] per row), write weight and bias into ``editor``; returns the record."""
     index = editor.index
     rows, rmask, alpha = weight_rows(layer, op, w), weight_rows(layer, op, mask), op.alpha
     g = acc.pp.shape[0]
@@ -183,7 +220,7 @@ def fit_layer(editor: ModelEditor, layer, op, w: np.ndarray, mask: np.ndarray,
     errs, solvers, lams = np.zeros((3, rows.shape[0])), [], []
     for k in range(g):
         part = slice(k * per, (k + 1) * per)
-        mom = acc.moments(k)
+        mom = acc.row_moments(k, rows[part])
         new_w[part], solver, lam = reconstruct_rows(
             rows[part], rmask[part], mom, ridge=settings.ridge, prior=settings.prior,
             exact_max=settings.exact_max, method=settings.solver)

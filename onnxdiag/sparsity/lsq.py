@@ -8,6 +8,9 @@ x_p, x_d, x_p x_pᵀ and x_p x_dᵀ (mergeable: the result does not depend on th
 
 Per output row i with kept support S_i (the mask), with H_pp = E[x_p x_pᵀ],
 H_pd = E[x_p x_dᵀ] and the ridge λ = ridge · mean diag(H_pp) (**our default** ridge 0.01):
+(the solves read H_pd only through H_pd w_i = E[x_p y_d,i], y_d = W x_d the dense layer's
+output before its bias: :class:`TargetMoments` streams that K × C_out product directly,
+a factor K / C_out fewer FLOPs than the K × K cross Gram of :class:`CrossMoments`)
 
 - ``prior="weights"`` (**our default**): w'_S = (H_pp[S,S] + λI)⁻¹ (H_pd[S,:] w_i + λ w_i,S),
   the ridge pulling toward the layer's own kept weights, so that with nothing pruned
@@ -82,6 +85,74 @@ class CrossMoments:
         n = max(self.n, 1)
         return self.pp[g] / n, self.pd[g] / n, self.sum_p[g] / n, self.sum_d[g] / n
 
+    def row_moments(self, g: int, w: np.ndarray) -> tuple:
+        """What the row solves of group ``g``'s rows ``w`` (rows, K) read: (H_pp,
+        H_pd wᵀ (K, rows), μ_p, W μ_d (rows,))."""
+        h_pp, h_pd, mu_p, mu_d = self.moments(g)
+        return h_pp, h_pd @ np.asarray(w, np.float64).T, mu_p, np.asarray(w) @ mu_d
+
+
+class TargetMoments:
+    """Float64 sums of one layer's pruned input columns x_p against the dense layer's
+    outputs y_d = W x_d (before the bias), per group: Σ x_p, Σ x_p x_pᵀ, Σ x_p y_dᵀ,
+    Σ y_d and Σ y_d² — what the row solves read (:meth:`row_moments`), without the
+    K × K cross Gram. ``update(cols_p, y_d)``: columns ``(m, groups, K)``, outputs
+    ``(m, groups, rows per group)``; ``y_d`` None: the input no pruning reached
+    (x_p = x_d), whose projections are taken from H_pp in float64 when solving.
+    Products in ``dtype`` (float32), summed into float64; mergeable like
+    :class:`CrossMoments`.
+    """
+
+    def __init__(self, groups: int, k: int, per: int, dtype=np.float32):
+        self.n = 0
+        self.dtype = dtype
+        self.same = True
+        self.sum_p = np.zeros((groups, k))
+        self.pp = np.zeros((groups, k, k))
+        self.py = np.zeros((groups, k, per))
+        self.sum_y = np.zeros((groups, per))
+        self.yy = np.zeros((groups, per))
+
+    def update(self, cols_p: np.ndarray, y_d: np.ndarray | None) -> TargetMoments:
+        cp = np.asarray(cols_p, self.dtype)
+        ones = np.ones(cp.shape[0], self.dtype)
+        self.same = self.same and y_d is None
+        for g in range(cp.shape[1]):
+            a = cp[:, g, :]
+            self.pp[g] += a.T @ a
+            self.sum_p[g] += ones @ a
+            if y_d is not None:
+                y = np.asarray(y_d[:, g, :], self.dtype)
+                self.py[g] += a.T @ y
+                self.sum_y[g] += ones @ y
+                self.yy[g] += np.einsum("ij,ij->j", y, y, dtype=np.float64)
+        self.n += cp.shape[0]
+        return self
+
+    def merge(self, other: TargetMoments) -> TargetMoments:
+        for name in ("sum_p", "pp", "py", "sum_y", "yy"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.same = self.same and other.same
+        self.n += other.n
+        return self
+
+    def row_moments(self, g: int, w: np.ndarray) -> tuple:
+        """(H_pp, H_pd wᵀ, μ_p, W μ_d) of group ``g`` for its rows ``w`` (see
+        :meth:`CrossMoments.row_moments`); ``w`` is used only when x_p = x_d."""
+        n = max(self.n, 1)
+        h_pp, mu_p = self.pp[g] / n, self.sum_p[g] / n
+        if self.same:
+            w = np.asarray(w, np.float64)
+            return h_pp, h_pp @ w.T, mu_p, w @ mu_p
+        return h_pp, self.py[g] / n, mu_p, self.sum_y[g] / n
+
+    def output_sq(self, g: int, w: np.ndarray) -> np.ndarray:
+        """E[y_d,i²] per row of group ``g`` (``w`` its rows, read when x_p = x_d)."""
+        if self.same:
+            w = np.asarray(w, np.float64)
+            return np.sum((w @ (self.pp[g] / max(self.n, 1))) * w, axis=1)
+        return self.yy[g] / max(self.n, 1)
+
 
 def ridge_of(h_pp: np.ndarray, ridge: float = RIDGE) -> float:
     """λ = ridge · mean diag(H_pp) (a tiny floor keeps an all-zero input solvable)."""
@@ -93,13 +164,13 @@ def exact_work(mask: np.ndarray) -> float:
     return float(np.sum(np.sum(mask, axis=1, dtype=np.float64) ** 3))
 
 
-def solve_rows(w: np.ndarray, mask: np.ndarray, h_pp: np.ndarray, h_pd: np.ndarray,
+def solve_rows(w: np.ndarray, mask: np.ndarray, h_pp: np.ndarray, hw: np.ndarray,
                lam: float, prior: str = "weights") -> np.ndarray:
-    """Exact per-row solves: ``w`` (rows, K) dense weights, ``mask`` (rows, K) kept;
-    returns w' (rows, K) float64, zero off the support."""
+    """Exact per-row solves: ``w`` (rows, K) dense weights, ``mask`` (rows, K) kept,
+    ``hw`` = H_pd wᵀ (K, rows); returns w' (rows, K) float64, zero off the support."""
     w = np.asarray(w, np.float64)
     mask = np.asarray(mask, bool)
-    rhs = _rhs(w, mask, h_pd, lam, prior)  # (rows, K)
+    rhs = _rhs(w, mask, hw, lam, prior)  # (rows, K)
     out = np.zeros_like(w)
     sizes = mask.sum(axis=1)
     order = np.argsort(sizes, kind="stable")
@@ -133,7 +204,7 @@ def _solve_batch(out, rows, mask, h_pp, rhs, lam, size) -> None:
     out[rows[r], support[r, c]] = x[r, c]
 
 
-def sparsegpt_rows(w: np.ndarray, mask: np.ndarray, h_pp: np.ndarray, h_pd: np.ndarray,
+def sparsegpt_rows(w: np.ndarray, mask: np.ndarray, h_pp: np.ndarray, hw: np.ndarray,
                    lam: float, prior: str = "weights") -> np.ndarray:
     """The one-sweep approximation (SparseGPT's OBS column sweep for a fixed mask).
 
@@ -144,11 +215,12 @@ def sparsegpt_rows(w: np.ndarray, mask: np.ndarray, h_pp: np.ndarray, h_pd: np.n
     A⁻¹. Exact when nothing is pruned (w' = w̃) and for a row whose pruned entries all come
     before its kept ones; otherwise earlier kept columns never readjust, which is the
     approximation (measured in docs/METHODS.md §E1). Cost O(rows·K²) for any mask.
+    ``hw`` = H_pd wᵀ (K, rows).
     """
     w = np.asarray(w, np.float64)
     k = w.shape[1]
     a = h_pp + lam * np.eye(k)
-    cur = np.linalg.solve(a, _rhs(w, np.ones_like(mask), h_pd, lam, prior,
+    cur = np.linalg.solve(a, _rhs(w, np.ones_like(mask), hw, lam, prior,
                                   prior_mask=mask).T).T
     u = np.linalg.cholesky(np.linalg.inv(a)).T  # A⁻¹ = Uᵀ U, U upper
     for j in range(k):
@@ -161,9 +233,9 @@ def sparsegpt_rows(w: np.ndarray, mask: np.ndarray, h_pp: np.ndarray, h_pd: np.n
     return np.where(mask, cur, 0.0)
 
 
-def _rhs(w, mask, h_pd, lam, prior, prior_mask=None) -> np.ndarray:
+def _rhs(w, mask, hw, lam, prior, prior_mask=None) -> np.ndarray:
     """H_pd w_i (+ λ w_i,S for the ``weights`` prior), per row: (rows, K)."""
-    rhs = w @ h_pd.T  # row i: (H_pd w_i)ᵀ
+    rhs = np.asarray(hw, np.float64).T  # row i: (H_pd w_i)ᵀ
     if prior == "weights":
         keep = mask if prior_mask is None else prior_mask
         rhs = rhs + lam * np.where(keep, w, 0.0)
@@ -177,32 +249,32 @@ def reconstruct_rows(w: np.ndarray, mask: np.ndarray, moments: tuple, *, ridge: 
                      method: str = "auto") -> tuple[np.ndarray, str, float]:
     """(w' (rows, K) float64, the solver used ("exact" / "sparsegpt"), λ) for one group.
 
-    ``moments``: (H_pp, H_pd, μ_p, μ_d); ``method``: "auto" (exact up to ``exact_max``
-    Σ|S_i|³, else SparseGPT), "exact" or "sparsegpt".
+    ``moments``: (H_pp, H_pd wᵀ, μ_p, W μ_d) (``row_moments``); ``method``: "auto"
+    (exact up to ``exact_max`` Σ|S_i|³, else SparseGPT), "exact" or "sparsegpt".
     """
-    h_pp, h_pd = moments[0], moments[1]
+    h_pp, hw = moments[0], moments[1]
     lam = ridge_of(h_pp, ridge)
     if method == "auto":
         method = "exact" if exact_work(mask) <= exact_max else "sparsegpt"
     solver = solve_rows if method == "exact" else sparsegpt_rows
-    return solver(w, mask, h_pp, h_pd, lam, prior), method, lam
+    return solver(w, mask, h_pp, hw, lam, prior), method, lam
 
 
 def output_errors(w: np.ndarray, w_new: np.ndarray, w_masked: np.ndarray, b: np.ndarray,
                   moments: tuple, yd_sq: np.ndarray) -> tuple[np.ndarray, np.ndarray,
                                                                np.ndarray, np.ndarray]:
     """Per row (new bias b', E‖y_repaired − y_d‖², E‖y_unrepaired − y_d‖², E‖y_d‖²) from the
-    moments (quadratic forms; ``yd_sq`` = E[(w_iᵀx_d)²] measured directly)."""
-    h_pp, h_pd, mu_p, mu_d = moments
-    shift = w @ mu_d - w_new @ mu_p
-    err_new = _sq_err(w_new, w, h_pp, h_pd, yd_sq, mu_p, mu_d, shift)
-    err_old = _sq_err(w_masked, w, h_pp, h_pd, yd_sq, mu_p, mu_d, np.zeros_like(shift))
-    dense = yd_sq + 2 * b * (w @ mu_d) + b * b
+    ``row_moments`` of ``w`` (quadratic forms; ``yd_sq`` = E[(w_iᵀx_d)²] measured directly)."""
+    h_pp, hw, mu_p, my = moments
+    shift = my - w_new @ mu_p
+    err_new = _sq_err(w_new, h_pp, hw, yd_sq, mu_p, my, shift)
+    err_old = _sq_err(w_masked, h_pp, hw, yd_sq, mu_p, my, np.zeros_like(shift))
+    dense = yd_sq + 2 * b * my + b * b
     return b + shift, np.maximum(err_new, 0.0), np.maximum(err_old, 0.0), dense
 
 
-def _sq_err(a, c, h_pp, h_pd, yd_sq, mu_p, mu_d, delta) -> np.ndarray:
-    """E[(aᵀx_p − cᵀx_d + δ)²] per row."""
+def _sq_err(a, h_pp, hw, yd_sq, mu_p, my, delta) -> np.ndarray:
+    """E[(aᵀx_p − y_d + δ)²] per row (y_d = w_iᵀx_d; ``hw`` = H_pd wᵀ, ``my`` = E[y_d])."""
     # two matrix products, not a three-operand einsum (which loops: 4x the whole LS fit)
-    quad = np.sum((a @ h_pp) * a, axis=1) - 2 * np.sum((a @ h_pd) * c, axis=1)
-    return quad + yd_sq + 2 * delta * (a @ mu_p - c @ mu_d) + delta * delta
+    quad = np.sum((a @ h_pp) * a, axis=1) - 2 * np.sum(a * hw.T, axis=1)
+    return quad + yd_sq + 2 * delta * (a @ mu_p - my) + delta * delta
