@@ -301,3 +301,27 @@ def test_ls_improves_agreement_on_an_skl2onnx_mlp_and_the_sample_vit(tmp_path):
         none = pruner.agreement(pruner.prune(alloc, "none")[0])
         ls = pruner.agreement(pruner.prune(alloc, "ls")[0])
         assert ls > none + 0.05, (model_path, none, ls)
+
+
+@pytest.mark.parametrize("inputs", ["sequential", "dense"])
+def test_ls_passes_show_a_progress_bar_on_a_terminal(monkeypatch, inputs):
+    """``label`` gives the LS pass (sequential: over its layers; dense inputs: over the
+    batches) a progress bar on a terminal's stderr, and nothing off a terminal."""
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    model = load_model(conv_bn_folded())
+    structure, masks, calib = _setup(model)
+    settings = LSSettings(inputs=inputs)
+    quiet = repair_model(model, structure, masks, calib, method="ls", ls=settings,
+                         label="LS refit")[0]
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    shown = repair_model(model, structure, masks, calib, method="ls", ls=settings,
+                         label="LS refit")[0]
+    assert "LS refit" in sys.stderr.getvalue()
+    for a, b in zip(quiet.graph.initializer, shown.graph.initializer):
+        assert a.raw_data == b.raw_data

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..graph import GraphIndex
 from ..model.edit import ModelEditor
+from ..runtime.progress import progress
 from ..runtime.runner import OrtRunner, single_threaded_blas
 from .ls_columns import (
     ConvGeometry,
@@ -49,17 +50,18 @@ class ColumnSource:
 
 
 def ls_dense(editor: ModelEditor, dense_model, batches: list[dict], layers, masks: dict,
-             settings: LSSettings, providers=None, threads: int | None = None
-             ) -> tuple[dict, int]:
+             settings: LSSettings, providers=None, threads: int | None = None,
+             label: str | None = None) -> tuple[dict, int]:
     """Refit the ``layers`` whose masks prune something from one dense pass; returns
-    ({layer: LSRepair}, sessions run). BLAS stays on one thread between the ORT runs."""
+    ({layer: LSRepair}, sessions run). BLAS stays on one thread between the ORT runs.
+    ``label``: a progress bar with an ETA over the pass's batches (stderr, a terminal)."""
     index = GraphIndex(dense_model)
     pruned = [la for la in layers if not np.all(masks[la.node_name])]
     if not pruned:
         return {}, 0
     sources, of_layer = column_sources(index, pruned)
     with single_threaded_blas():
-        collect_columns(dense_model, sources, batches, settings, providers, threads)
+        collect_columns(dense_model, sources, batches, settings, providers, threads, label)
         done = {}
         for la in pruned:
             src = sources[of_layer[la.node_name]]
@@ -90,11 +92,12 @@ def column_sources(index: GraphIndex, layers) -> tuple[dict[str, ColumnSource], 
 
 
 def collect_columns(model, sources: dict[str, ColumnSource], batches: list[dict],
-                    settings: LSSettings, providers=None, threads=None, *,
+                    settings: LSSettings, providers=None, threads=None, label=None, *,
                     graph_gram: bool = True) -> None:
     """One pass of ``model`` over ``batches``: every source's columns into its moments
     (image indices count up over the batches, as in the sequential pass). ``graph_gram``:
-    one-group convs' Grams computed by ONNX Runtime (else by NumPy from the columns)."""
+    one-group convs' Grams computed by ONNX Runtime (else by NumPy from the columns);
+    ``label``: a progress bar over the batches."""
     convs = {s.name: (s.tensor, s.geometry) for s in sources.values() if s.geometry}
     whole = sorted({s.tensor for s in sources.values() if s.geometry is None})
     # one group: the graph computes the (tap-major) Gram; else the columns come out (and
@@ -112,7 +115,8 @@ def collect_columns(model, sources: dict[str, ColumnSource], batches: list[dict]
     # depend on its global index alone, so slicing them per batch changes nothing
     extra = index_feeds(convs, settings.positions, settings.seed, np.arange(sum(sizes)))
     start = 0
-    for feeds, n in zip(batches, sizes):
+    pairs = zip(batches, sizes)
+    for feeds, n in progress(pairs, len(sizes), label) if label else pairs:
         images = np.arange(start, start + n)
         out = runner.run({**feeds, **{k: v[start:start + n] for k, v in extra.items()}},
                          wanted)

@@ -26,6 +26,7 @@ from ..errors import OnnxDiagError
 from ..graph import GraphIndex
 from ..graph.index import get_attr
 from ..model.edit import ModelEditor
+from ..runtime.progress import progress
 from ..runtime.runner import single_threaded_blas
 from ..stats import draw_positions
 from .fold import bias_state
@@ -104,18 +105,20 @@ class LSRepair:
 
 def ls_sequential(editor: ModelEditor, dense_model, batches: list[dict], layers, masks: dict,
                   bns, affected: set, settings: LSSettings, providers=None,
-                  threads: int | None = None) -> tuple[dict, dict, int]:
+                  threads: int | None = None, label: str | None = None
+                  ) -> tuple[dict, dict, int]:
     """Refit ``layers`` (records as the edited model names them) and recalibrate ``bns``
     in topological order; returns (LSRepair per layer, BNRepair per BN, sessions run).
+    ``label``: a progress bar with an ETA over the layers and BNs (stderr, a terminal).
     BLAS stays on one thread: its per-batch products alternate with ONNX Runtime runs on
     the same cores (measured 20x faster on a loaded 2-core machine, benchmarks/RESULTS.md)."""
     with single_threaded_blas():
         return _ls_pass(editor, dense_model, batches, layers, masks, bns, affected, settings,
-                        providers, threads)
+                        providers, threads, label)
 
 
 def _ls_pass(editor, dense_model, batches, layers, masks, bns, affected, settings, providers,
-             threads) -> tuple[dict, dict, int]:
+             threads, label) -> tuple[dict, dict, int]:
     # ORT threads sleep between runs: the Gram updates run between them on the same cores
     # (19 vs 25 x a dense pass at all positions, benchmarks/RESULTS.md)
     seg_p = SegmentedPass(editor.model, batches, providers=providers, threads=threads,
@@ -130,7 +133,7 @@ def _ls_pass(editor, dense_model, batches, layers, masks, bns, affected, setting
     pending = {la.node_name: dense_index.get_node(la.node_name).output[0]
                for la in layers if la.input in affected}
     done_layers, done_bns = {}, {}
-    for pos, kind, i in items:
+    for pos, kind, i in progress(items, len(items), label) if label else items:
         if kind == 1:
             seg_p.run_to(pos, keep=[bns[i].input[0]])
             done_bns[bns[i].name] = recalibrate_bn(seg_p.frontier, editor, bns[i])

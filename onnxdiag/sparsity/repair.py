@@ -143,7 +143,7 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
     batches = split_batches(collect_batches(calib_source, n_images))
     if cr_kind == "ls":
         return _repair_ls(model, editor, structure, masks, batches, method, alpha_cap,
-                          recalibrate, ls or LSSettings(), providers, threads)
+                          recalibrate, ls or LSSettings(), providers, threads, label)
     plan = _plan(editor, structure, masks, method, recalibrate)
     n = sum(batch_len(b) for b in batches)
     passes = {"dense": 0, "sequential": int(bool(plan.layers or plan.bns)), "segments": 0}
@@ -166,7 +166,8 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
 
 
 def _repair_ls(model, editor, structure, masks, batches, method, alpha_cap, recalibrate,
-               settings, providers, threads) -> tuple[onnx.ModelProto, RepairRecord]:
+               settings, providers, threads, label=None) -> tuple[onnx.ModelProto,
+                                                                  RepairRecord]:
     """``ls`` / ``ls+bn``: every masked layer pruning reached is refitted (METHODS §E1; a
     MatMul without a bias Add gets one for the bias correction), then with ``+bn`` the BNs
     of :func:`_plan` are recalibrated, all in one sequential pass. With dense inputs
@@ -186,15 +187,15 @@ def _repair_ls(model, editor, structure, masks, batches, method, alpha_cap, reca
     n = sum(batch_len(b) for b in batches)
     if dense:
         done_layers, dense_runs = ls_dense(editor, model, batches, layers, masks, settings,
-                                           providers, threads)
+                                           providers, threads, label)
         _, done_bns, segments = ls_sequential(editor, model, batches, [], masks, bns,
-                                              affected, settings, providers, threads) \
-            if bns else ({}, {}, 0)
+                                              affected, settings, providers, threads,
+                                              label) if bns else ({}, {}, 0)
         passes = {"dense": dense_runs, "sequential": int(bool(bns)), "segments": segments}
     else:
         done_layers, done_bns, segments = ls_sequential(
             editor, model, batches, layers, masks, bns, affected, settings, providers,
-            threads)
+            threads, label)
         passes = {"dense": int(bool(layers)), "sequential": int(bool(layers or bns)),
                   "segments": segments}
     notes = _ls_notes(index, method, with_bn, layers, done_layers, settings)
