@@ -29,7 +29,7 @@ SMOKES = {
     "bench_prune.py": (None, ["channels removed ", "| batch | threads | clock |"]),
     "bench_prune_sweep.py": (None, ["| score | kept 0.75 | kept 0.50 |", "FLOPs ratio"]),
     "bench_rr.py": (None, ["RR curves, exact", "naive (prune, full network"]),
-    "bench_reconstruct.py": (None, ["| ls, positions all |", "FLOPs floor of the exact Grams"]),
+    "bench_reconstruct.py": (None, ["| ls, positions all |", "FLOPs floor of the sequential LS products"]),
     "bench_selection.py": (None, ["Targets: `labels`", "Targets: `expected`", "Baselines"]),
     "bench_channel_alignment.py": (None, ["| width |", "| ratio | --round-to |"]),
     "bench_reconstruct_channels.py": (None, ["| calibration images |", "| none | bn | recon |",
