@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from corpus import conv_geometry_head, depthwise_pointwise, gemm_head, matmul_add_head
+from corpus import (
+    conv_geometry_head,
+    depthwise_pointwise,
+    gemm_head,
+    matmul_add_head,
+    random_feeds,
+    residual_block,
+)
 from onnx import numpy_helper
 from scipy import sparse
 
@@ -90,3 +97,20 @@ def test_removal_levels_follow_the_running_minimum_of_kept():
     levels = removal_levels(order, [0.0, 0.4, 0.2, 0.8])
     # kept per level 5, 3, 4 (-> 3), 1: ranks 3-4 go at level 1, ranks 1-2 at level 3
     assert levels.tolist() == [3, 1, 1, 4, 3]
+
+
+@pytest.mark.parametrize("build", [residual_block, depthwise_pointwise])
+def test_rr_curves_on_layer_threads_equal_one_thread_bit_for_bit(build, monkeypatch):
+    """Planning, folding and finishing on threads: each layer's work is its own, so the
+    curves are those of one thread exactly."""
+    from onnxdiag.sparsity import compute_rr_curves, repairability
+
+    model = load_model(build())
+    layers = find_prunable(analyze_structure(model))
+    calib = [random_feeds(model, batch=4, seed=i) for i in range(3)]
+    curves = {}
+    for workers in (1, 3):
+        monkeypatch.setattr(repairability, "LAYER_THREADS", workers)
+        curves[workers] = compute_rr_curves(model, layers, calib, positions=4)
+    for name in ("d_raw", "d_repair", "rr"):
+        np.testing.assert_array_equal(getattr(curves[1], name), getattr(curves[3], name))
