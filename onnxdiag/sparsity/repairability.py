@@ -41,6 +41,7 @@ from ..errors import DataError, OnnxDiagError
 from ..graph import GraphIndex
 from ..model.expose import expose_channels_last, expose_tensors
 from ..report.json import to_jsonable as jsonable
+from ..runtime.bound import BoundRunner
 from ..runtime.executor import raise_failures
 from ..runtime.progress import progress
 from ..runtime.runner import OrtRunner
@@ -146,7 +147,9 @@ def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int
     K = C_in/groups·Πkernel).  ``auto`` picks per layer by an operation count
     (:func:`choose_strategy`).  With sampling, the Gram products run in float32 per batch
     and are merged in float64; with every position they stay float64 throughout.  The
-    layers are planned, folded and finished on ``LAYER_THREADS`` threads.
+    layers are planned, folded and finished on ``LAYER_THREADS`` threads; the capture's
+    outputs are written into buffers reused from batch to batch
+    (:class:`~onnxdiag.runtime.bound.BoundRunner`) when the layers are folded here.
 
     Raises:
         OnnxDiagError: an unknown strategy, bad positions, no layers; DataError: no
@@ -212,6 +215,8 @@ def _capture(model, index, layers, plans, source, n_images, positions, *, fold,
     the plans (``fold``: the :func:`layer_threads` map to fold them with) or, with None,
     kept per layer for the units. Returns (kept batches per layer, samples seen)."""
     runner, fetch, last = _capture_session(model, index, layers, positions, providers, threads)
+    # folded here, a batch is done with before the next run: its outputs can reuse buffers
+    bound = BoundRunner(runner, fetch) if fold is not None else None
     captured: list[list] = [[] for _ in layers]
     seen = 0
     batches = _feed_batches(source)
@@ -223,7 +228,7 @@ def _capture(model, index, layers, plans, source, n_images, positions, *, fold,
         if take <= 0:
             break
         feeds = {k: v[:take] for k, v in feeds.items()}
-        outs = runner.run(feeds, fetch) if fetch else {}
+        outs = (bound.run(feeds) if bound else runner.run(feeds, fetch)) if fetch else {}
         outs.update(feeds)
         images = np.arange(seen, seen + take)
         for t, copy in last.items():  # NCHW views of the channels-last copies
