@@ -30,9 +30,6 @@ error on the bundled model).
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +40,7 @@ from ..model.expose import expose_channels_last, expose_tensors
 from ..report.json import to_jsonable as jsonable
 from ..runtime.bound import BoundRunner
 from ..runtime.executor import raise_failures
+from ..runtime.pool import THREADS, thread_map
 from ..runtime.progress import progress
 from ..runtime.runner import OrtRunner
 from .rr_layer import (  # noqa: F401 - PairMoments, distortions, … re-exported
@@ -67,7 +65,7 @@ DEFAULT_POSITIONS = 16
 #: Threads planning, folding and finishing the layers (every core, at most 4): each
 #: layer's work is its own (the same result as one thread, bit for bit), and its SciPy
 #: sparse products, single-threaded, release the GIL.
-LAYER_THREADS = min(4, os.cpu_count() or 1)
+LAYER_THREADS = THREADS
 
 
 @dataclass(frozen=True, eq=False)
@@ -165,7 +163,7 @@ def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int
         raise OnnxDiagError("No prunable layers to compute RR curves for.")
     index = GraphIndex(model)
     here = executor is None or executor.in_process
-    with layer_threads(len(layers)) as pool:
+    with thread_map(len(layers), LAYER_THREADS) as pool:
         plans = pool(lambda la: _plan(index, la, grid, strategy, positions, seed), layers)
         captured, seen = _capture(model, index, layers, plans, source, n_images, positions,
                                   fold=pool if here else None, providers=providers,
@@ -212,8 +210,8 @@ def _capture_session(model, index: GraphIndex, layers, positions, providers, thr
 def _capture(model, index, layers, plans, source, n_images, positions, *, fold,
              providers, threads, label=None) -> tuple[list[list], int]:
     """One pass over the first ``n_images`` samples: each batch's layer inputs folded into
-    the plans (``fold``: the :func:`layer_threads` map to fold them with) or, with None,
-    kept per layer for the units. Returns (kept batches per layer, samples seen)."""
+    the plans (``fold``: the :func:`~onnxdiag.runtime.pool.thread_map` to fold them with)
+    or, with None, kept per layer for the units. Returns (kept batches per layer, samples seen)."""
     runner, fetch, last = _capture_session(model, index, layers, positions, providers, threads)
     # folded here, a batch is done with before the next run: its outputs can reuse buffers
     bound = BoundRunner(runner, fetch) if fold is not None else None
@@ -243,26 +241,6 @@ def _capture(model, index, layers, plans, source, n_images, positions, *, fold,
     if seen == 0:
         raise DataError("The calibration data is empty; give at least one sample.")
     return captured, seen
-
-
-@contextmanager
-def layer_threads(n_layers: int, workers: int | None = None):
-    """A map ``pool(fn, items, label=None) -> list`` over ``LAYER_THREADS`` threads (or
-    ``workers``; one: in this thread), results in the order of ``items``; ``label``: a
-    progress bar with an ETA as the results come in."""
-    workers = max(1, min(workers or LAYER_THREADS, n_layers))
-    executor = ThreadPoolExecutor(workers) if workers > 1 else None
-
-    def pool(fn, items, label=None):
-        items = list(items)
-        results = executor.map(fn, items) if executor else map(fn, items)
-        return list(progress(results, len(items), label) if label else results)
-
-    try:
-        yield pool
-    finally:
-        if executor:
-            executor.shutdown()
 
 
 def _fold_on(executor, layers, plans, captured, label=None) -> list:
