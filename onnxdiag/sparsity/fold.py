@@ -25,9 +25,11 @@ from ..graph.index import get_attr
 from ..model.edit import ModelEditor
 from ..model.expose import expose_tensors
 from ..report.json import to_jsonable as jsonable
+from ..runtime.bound import BoundRunner
 from ..runtime.pool import thread_map
 from ..runtime.runner import OrtRunner
 from ..stats import Moments
+from .segments import batch_len
 
 #: Normalisations over the channels of each token (METHODS §D): nothing to recalibrate.
 LAYER_NORM_OPS = ("LayerNormalization", "SimplifiedLayerNormalization", "RMSNormalization",
@@ -105,10 +107,12 @@ def dense_moments(model, layers, batches, providers, threads) -> dict[str, Momen
     names = [la.output for la in layers]
     runner = OrtRunner(expose_tensors(model, names), providers=providers, threads=threads,
                        spinning=False)  # the moments' NumPy work runs between batches
+    # each batch's outputs are folded before the next run: reused buffers, one run a batch
+    bound = BoundRunner(runner, names, rows=max(batch_len(b) for b in batches))
     acc: dict = {la.node_name: None for la in layers}
     with thread_map(len(layers)) as pool:
         for b in batches:
-            out = runner.run(b, names)
+            out = bound.run(b)
             items = [(la, out[la.output], acc[la.node_name]) for la in layers]
             folded = pool(lambda item: output_moments(item[0], [item[1]], item[2]), items)
             acc.update((la.node_name, m) for la, m in zip(layers, folded))
