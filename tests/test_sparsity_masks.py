@@ -156,3 +156,24 @@ def test_magnitude_order_equals_a_stable_argsort_with_ties_and_signed_zeros():
         ref = np.argsort(-np.abs(w.astype(np.float64)).ravel(), kind="stable")
         got = magnitude_order(w)
         assert got.dtype == np.int64 and np.array_equal(got, ref)
+
+
+def test_make_masks_with_a_cache_of_orders_are_the_magnitude_masks():
+    """A sweep's cells reuse each layer's magnitude order; the masks are unchanged."""
+    from types import SimpleNamespace
+
+    from onnxdiag.sparsity import make_masks
+
+    rng = np.random.default_rng(0)
+    weights = {"a": rng.standard_normal((6, 3, 3, 3)).astype(np.float32),
+               "b": np.round(rng.standard_normal((5, 7)), 1).astype(np.float32)}  # ties
+    orders = {}
+    for kept in ({"a": 40, "b": 9}, {"a": 0, "b": 35}, {"a": 162, "b": 1}):
+        alloc = SimpleNamespace(n_kept=kept)
+        plain, cached = make_masks(alloc, weights), make_masks(alloc, weights, orders)
+        assert set(orders) == {"a", "b"}
+        for name in weights:
+            np.testing.assert_array_equal(cached[name], plain[name])
+            assert cached[name].sum() == kept[name]
+    with pytest.raises(ValueError, match="outside"):
+        make_masks(SimpleNamespace(n_kept={"b": 36}), weights, orders)

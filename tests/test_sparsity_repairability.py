@@ -18,6 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxdiag.graph import GraphIndex, analyze_structure
 from onnxdiag.model.io import load_model
+from onnxdiag.runtime.bound import BoundRunner
 from onnxdiag.runtime.runner import OrtRunner
 from onnxdiag.sparsity import (
     DEFAULT_GRID,
@@ -168,12 +169,14 @@ def test_repair_error_identity_per_channel():
 def test_rr_uses_one_runtime_pass_and_is_batch_split_invariant(monkeypatch):
     model = load_model(residual_block())
     layers = find_prunable(analyze_structure(model))
-    calls = []
-    original = OrtRunner.run
-    monkeypatch.setattr(OrtRunner, "run", lambda self, *a, **k: calls.append(1) or
+    calls, sessions = [], []
+    original, init = BoundRunner.run, OrtRunner.__init__
+    monkeypatch.setattr(BoundRunner, "run", lambda self, *a, **k: calls.append(1) or
                         original(self, *a, **k))
+    monkeypatch.setattr(OrtRunner, "__init__", lambda self, *a, **k: sessions.append(1) or
+                        init(self, *a, **k))
     split = compute_rr_curves(model, layers, _calibration(model, 3, 4))
-    assert len(calls) == 3
+    assert len(calls) == 3 and len(sessions) == 1  # one session, one run per batch
     whole = compute_rr_curves(model, layers, [{"x": np.concatenate(
         [f["x"] for f in _calibration(model, 3, 4)])}])
     np.testing.assert_allclose(split.d_repair, whole.d_repair, rtol=1e-6, atol=1e-12)

@@ -25,8 +25,11 @@ from ..graph.index import get_attr
 from ..model.edit import ModelEditor
 from ..model.expose import expose_tensors
 from ..report.json import to_jsonable as jsonable
+from ..runtime.bound import BoundRunner
+from ..runtime.pool import thread_map
 from ..runtime.runner import OrtRunner
 from ..stats import Moments
+from .segments import batch_len
 
 #: Normalisations over the channels of each token (METHODS §D): nothing to recalibrate.
 LAYER_NORM_OPS = ("LayerNormalization", "SimplifiedLayerNormalization", "RMSNormalization",
@@ -97,17 +100,22 @@ def output_moments(layer, arrays, acc: Moments | None = None) -> Moments:
 
 def dense_moments(model, layers, batches, providers, threads) -> dict[str, Moments]:
     """{node name: output moments} of ``layers`` of ``model`` over ``batches`` (one pass,
-    folded batch by batch: only one batch's outputs are held)."""
+    folded batch by batch: only one batch's outputs are held; the layers' folds, each its
+    own, on threads)."""
     if not layers:
         return {}
     names = [la.output for la in layers]
     runner = OrtRunner(expose_tensors(model, names), providers=providers, threads=threads,
                        spinning=False)  # the moments' NumPy work runs between batches
+    # each batch's outputs are folded before the next run: reused buffers, one run a batch
+    bound = BoundRunner(runner, names, rows=max(batch_len(b) for b in batches))
     acc: dict = {la.node_name: None for la in layers}
-    for b in batches:
-        out = runner.run(b, names)
-        for la in layers:
-            acc[la.node_name] = output_moments(la, [out[la.output]], acc[la.node_name])
+    with thread_map(len(layers)) as pool:
+        for b in batches:
+            out = bound.run(b)
+            items = [(la, out[la.output], acc[la.node_name]) for la in layers]
+            folded = pool(lambda item: output_moments(item[0], [item[1]], item[2]), items)
+            acc.update((la.node_name, m) for la, m in zip(layers, folded))
     return acc
 
 
@@ -205,8 +213,10 @@ def fold_repair(frontier: dict, editor: ModelEditor, layer, dense: Moments, cr_k
     w = _value(editor, node.input[1])
     editor.set_input(node.name, 1, scale_output_channels(layer, w, alpha).astype(w.dtype))
     shift, in_node = _fold_bias(editor, index, layer, node, alpha, dense, pruned, affine)
-    frontier[layer.output] = [_patched(layer, y, alpha, shift if in_node else None)
-                              for y in frontier[layer.output]]
+    with thread_map(len(frontier[layer.output])) as pool:  # each batch its own patch
+        frontier[layer.output] = pool(
+            lambda y: _patched(layer, y, alpha, shift if in_node else None),
+            frontier[layer.output])
     return LayerRepair(layer.node_name, "affine" if affine else "scale", alpha, shift,
                        np.sqrt(vd), np.sqrt(vp), int(np.sum(alpha >= cap)), pruned.mean,
                        pruned.n)

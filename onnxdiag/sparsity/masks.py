@@ -129,10 +129,28 @@ def _feeds_add(index: GraphIndex, layer) -> bool:
     return any(n.op_type in ("Add", "Sum") for n, _ in index.consumers_of(post))
 
 
-def make_masks(allocation, weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Magnitude masks keeping ``allocation.n_kept[name]`` weights of each layer."""
-    return {name: magnitude_mask(weights[name], n_keep=int(k))
-            for name, k in allocation.n_kept.items()}
+def make_masks(allocation, weights: Mapping[str, np.ndarray], orders: dict | None = None
+               ) -> dict[str, np.ndarray]:
+    """Magnitude masks keeping ``allocation.n_kept[name]`` weights of each layer.
+
+    ``orders``: a cache {name: :func:`magnitude_order` of its weight} for masks of the same
+    weights made again (a sweep's cells); filled here with the layers it lacks. The masks
+    are :func:`magnitude_mask`'s either way."""
+    if orders is None:
+        return {name: magnitude_mask(weights[name], n_keep=int(k))
+                for name, k in allocation.n_kept.items()}
+    masks = {}
+    for name, k in allocation.n_kept.items():
+        w = np.asarray(weights[name])
+        if not 0 <= int(k) <= w.size:
+            raise ValueError(f"n_keep={int(k)} outside [0, {w.size}]")
+        if name not in orders:  # int32 flat indices: half the memory of the cache
+            order = magnitude_order(w)
+            orders[name] = order.astype(np.int32) if w.size < 2 ** 31 else order
+        mask = np.zeros(w.size, dtype=bool)
+        mask[orders[name][:int(k)]] = True
+        masks[name] = mask.reshape(w.shape)
+    return masks
 
 
 def apply_masks(model: onnx.ModelProto, masks: Mapping[str, np.ndarray]) -> onnx.ModelProto:

@@ -38,7 +38,9 @@ from ..errors import DataError, OnnxDiagError
 from ..graph import GraphIndex
 from ..model.expose import expose_channels_last, expose_tensors
 from ..report.json import to_jsonable as jsonable
+from ..runtime.bound import BoundRunner
 from ..runtime.executor import raise_failures
+from ..runtime.pool import THREADS, thread_map
 from ..runtime.progress import progress
 from ..runtime.runner import OrtRunner
 from .rr_layer import (  # noqa: F401 - PairMoments, distortions, … re-exported
@@ -60,6 +62,10 @@ DEFAULT_GRID = tuple(round(0.05 * i, 2) for i in range(19)) + tuple(
     round(0.91 + 0.01 * i, 2) for i in range(9))
 #: Output positions per image sampled for a conv's moments (**our default**; None = all).
 DEFAULT_POSITIONS = 16
+#: Threads planning, folding and finishing the layers (every core, at most 4): each
+#: layer's work is its own (the same result as one thread, bit for bit), and its SciPy
+#: sparse products, single-threaded, release the GIL.
+LAYER_THREADS = THREADS
 
 
 @dataclass(frozen=True, eq=False)
@@ -138,7 +144,10 @@ def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int
     every level then being quadratic forms of the weights (exact, cheap for small
     K = C_in/groups·Πkernel).  ``auto`` picks per layer by an operation count
     (:func:`choose_strategy`).  With sampling, the Gram products run in float32 per batch
-    and are merged in float64; with every position they stay float64 throughout.
+    and are merged in float64; with every position they stay float64 throughout.  The
+    layers are planned, folded and finished on ``LAYER_THREADS`` threads; the capture's
+    outputs are written into buffers reused from batch to batch
+    (:class:`~onnxdiag.runtime.bound.BoundRunner`) when the layers are folded here.
 
     Raises:
         OnnxDiagError: an unknown strategy, bad positions, no layers; DataError: no
@@ -153,24 +162,30 @@ def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int
     if not layers:
         raise OnnxDiagError("No prunable layers to compute RR curves for.")
     index = GraphIndex(model)
-    plans = [plan_layer(index, la, grid, strategy) for la in layers]
-    for plan in plans:
-        plan["positions"], plan["seed"] = positions, int(seed)
-        if plan["mode"] == "gram" and positions is not None:
-            plan["gram_dtype"] = np.float32
     here = executor is None or executor.in_process
-    captured, seen = _capture(model, index, layers, plans, source, n_images, positions,
-                              fold=here, providers=providers, threads=threads, label=label)
-    if here:
-        todo = progress(plans, len(plans), f"{label}: layers") if label else plans
-        folded = [finish_layer(plan) for plan in todo]
-    else:
+    with thread_map(len(layers), LAYER_THREADS) as pool:
+        plans = pool(lambda la: _plan(index, la, grid, strategy, positions, seed), layers)
+        captured, seen = _capture(model, index, layers, plans, source, n_images, positions,
+                                  fold=pool if here else None, providers=providers,
+                                  threads=threads, label=label)
+        if here:
+            folded = pool(finish_layer, plans, label and f"{label}: layers")
+    if not here:
         folded = _fold_on(executor, layers, plans, captured, label)
     d = np.array([f[0] for f in folded])
     d_raw, d_rep = d[..., 0], d[..., 1]
     return RRCurves(tuple(la.node_name for la in layers), grid, d_raw, d_rep,
                     (d_rep + eps) / (d_raw + eps), tuple(p["n"] for p in plans), seen,
                     tuple(f[1] for f in folded), eps, positions, int(seed))
+
+
+def _plan(index, layer, grid, strategy, positions, seed) -> dict:
+    """One layer's plan with its position draw (sampled Gram products in float32)."""
+    plan = plan_layer(index, layer, grid, strategy)
+    plan["positions"], plan["seed"] = positions, int(seed)
+    if plan["mode"] == "gram" and positions is not None:
+        plan["gram_dtype"] = np.float32
+    return plan
 
 
 def _capture_session(model, index: GraphIndex, layers, positions, providers, threads):
@@ -192,12 +207,14 @@ def _capture_session(model, index: GraphIndex, layers, positions, providers, thr
     return runner, exposed + list(last.values()), last
 
 
-def _capture(model, index, layers, plans, source, n_images, positions, *, fold: bool,
+def _capture(model, index, layers, plans, source, n_images, positions, *, fold,
              providers, threads, label=None) -> tuple[list[list], int]:
     """One pass over the first ``n_images`` samples: each batch's layer inputs folded into
-    the plans (``fold``) or kept per layer for the units. Returns (kept batches per layer,
-    samples seen)."""
+    the plans (``fold``: the :func:`~onnxdiag.runtime.pool.thread_map` to fold them with)
+    or, with None, kept per layer for the units. Returns (kept batches per layer, samples seen)."""
     runner, fetch, last = _capture_session(model, index, layers, positions, providers, threads)
+    # folded here, a batch is done with before the next run: its outputs can reuse buffers
+    bound = BoundRunner(runner, fetch) if fold is not None else None
     captured: list[list] = [[] for _ in layers]
     seen = 0
     batches = _feed_batches(source)
@@ -209,17 +226,17 @@ def _capture(model, index, layers, plans, source, n_images, positions, *, fold: 
         if take <= 0:
             break
         feeds = {k: v[:take] for k, v in feeds.items()}
-        outs = runner.run(feeds, fetch) if fetch else {}
+        outs = (bound.run(feeds) if bound else runner.run(feeds, fetch)) if fetch else {}
         outs.update(feeds)
         images = np.arange(seen, seen + take)
         for t, copy in last.items():  # NCHW views of the channels-last copies
             outs.setdefault(t, np.moveaxis(outs[copy], -1, 1))
-        for i, (la, plan) in enumerate(zip(layers, plans)):
-            batch = (outs[la.input], images, outs.get(last.get(la.input)))
-            if fold:
-                fold_layer(plan, *batch)
-            else:
-                captured[i].append(batch)
+        batch = [(outs[la.input], images, outs.get(last.get(la.input))) for la in layers]
+        if fold is not None:
+            fold(lambda item: fold_layer(*item[0], *item[1]), zip(zip(plans), batch))
+        else:
+            for i, item in enumerate(batch):
+                captured[i].append(item)
         seen += take
     if seen == 0:
         raise DataError("The calibration data is empty; give at least one sample.")

@@ -134,53 +134,83 @@ def plan_layer(index: GraphIndex, layer, grid, strategy: str = "auto") -> dict:
     the ``gram`` strategy, the removed weights per level and the column moments."""
     w = np.asarray(index.get_constant(layer.weight), dtype=np.float32)
     op = layer_op(index, layer)
-    order = magnitude_order(w)
-    rows, cols, n_cols = _coordinates(op, w.shape, order)
+    rows, cols, n_cols, walk = _flat_coordinates(op, w.shape)
+    levels = removal_levels(magnitude_order(w), grid)
     groups = op.groups if op.kind == "conv" else 1
     if strategy == "auto":
         strategy = choose_strategy(layer.n_out, n_cols // groups, groups, len(grid))
     if strategy == "gram":
-        return _gram_plan(op, w, order, rows, cols, n_cols, groups, grid, layer.n_out)
-    steps = _steps(w.ravel()[order], rows, cols, w.size, grid, (layer.n_out, n_cols))
+        return _gram_plan(op, w, levels, (rows, cols, walk), n_cols, groups, grid, layer.n_out)
+    steps = _steps(w.ravel(), rows, cols, walk, levels, len(grid), (layer.n_out, n_cols))
     return {"mode": "incremental", "op": op, "kernel": tuple(w.shape[2:]),
             "dense": weight_matrix(op, w), "steps": steps, "n": int(w.size),
             "acc": [PairMoments(layer.n_out) for _ in grid]}
 
 
-def _gram_plan(op, w, order, rows, cols, n_cols, groups, grid, n_out) -> dict:
+def removal_levels(order: np.ndarray, grid) -> np.ndarray:
+    """Per flat weight, the first grid level whose magnitude mask removes it (``len(grid)``:
+    never): the weight of keep-first rank r goes at level j when kept_j <= r < kept_(j-1),
+    kept_j = size - prune_count(size, s_j) (the running minimum over the levels)."""
+    size = order.size
+    dtype = np.uint8 if len(grid) < 255 else np.uint32
+    by_rank = np.full(size, len(grid), dtype)
+    previous = size
+    for j, s in enumerate(grid):
+        kept = size - prune_count(size, s)
+        if kept < previous:
+            by_rank[kept:previous] = j
+        previous = min(previous, kept)
+    levels = np.empty(size, dtype)
+    levels[order] = by_rank
+    return levels
+
+
+def _gram_plan(op, w, levels, coords, n_cols, groups, grid, n_out) -> dict:
     """Dense per-channel weight rows (C, K) in column order and accumulators of the shifted
     column moments per group; the weights removed per level as sparse (C, K) steps (one
-    group), or as dense removed rows (n_levels, C, K) for grouped convs (K small)."""
+    group), or as dense removed rows (n_levels, C, K) for grouped convs (K small).
+    ``levels``: per flat weight (:func:`removal_levels`); ``coords``: (rows, cols, walk)
+    of :func:`_flat_coordinates`."""
+    rows, cols, walk = coords
     k = n_cols // groups
-    dense = np.zeros((n_out, k))
-    values = w.ravel()[order].astype(np.float64)
-    dense[rows, cols % k] = values
+    values = w.ravel().astype(np.float64)
+    # row c holds output channel c's weights in column order: the weight itself, (C, K)
+    dense = np.ascontiguousarray((values.reshape(w.shape[0], -1) if walk is None
+                                  else values.reshape(w.shape).T).reshape(n_out, k))
     plan = {"mode": "gram", "op": op, "kernel": tuple(w.shape[2:]), "n": int(w.size),
             "groups": groups, "group_of": np.arange(n_out) // (n_out // groups),
             "dense_rows": dense, "shift": None,
             "gram": np.zeros((groups, k, k)), "sums": np.zeros((groups, k)), "count": 0,
             "acc": [PairMoments(n_out) for _ in grid]}
     if groups == 1:
-        plan["steps"] = _steps(values, rows, cols, w.size, grid, (n_out, k))
+        plan["steps"] = _steps(values, rows, cols, walk, levels, len(grid), (n_out, k))
         return plan
     removed = np.zeros((len(grid), n_out, k))
-    for j, s in enumerate(grid):
-        kept = w.size - prune_count(w.size, s)
-        removed[j, rows[kept:], cols[kept:] % k] = values[kept:]
+    for j in range(len(grid)):
+        gone = levels <= j
+        removed[j, rows[gone], cols[gone] % k] = values[gone]
     plan["removed_rows"] = removed
     return plan
 
 
-def _steps(values, rows, cols, size: int, grid, shape) -> list:
-    """Per grid level, the weights removed since the previous level as a sparse (C, K)
-    matrix (None when nothing more is removed)."""
-    steps, previous = [], size
-    for s in grid:
-        kept = size - prune_count(size, s)
-        part = slice(kept, previous)
-        steps.append(None if kept >= previous else sparse.csr_matrix(
-            (values[part], (rows[part], cols[part])), shape=shape))
-        previous = min(previous, kept)
+def _steps(values, rows, cols, walk, levels, n_levels: int, shape) -> list:
+    """Per grid level, the weights removed at that level (:func:`removal_levels`) as a
+    sparse (C, K) matrix in canonical form (columns sorted within each row, as SciPy
+    builds it from coordinates), or None when that level removes nothing. ``values``,
+    ``rows``, ``cols``, ``levels``: per flat weight; ``walk``: the flat weights in (row,
+    column) order (None: flat order). One stable radix sort by level of the weights in
+    that order splits them into the levels, each already sorted."""
+    perm = (np.argsort(levels, kind="stable") if walk is None
+            else walk[np.argsort(levels[walk], kind="stable")])
+    bounds = np.concatenate([[0], np.cumsum(np.bincount(levels, minlength=n_levels + 1))])
+    steps = []
+    for j in range(n_levels):
+        part = perm[bounds[j]:bounds[j + 1]]
+        if part.size == 0:
+            steps.append(None)
+            continue
+        indptr = np.concatenate([[0], np.cumsum(np.bincount(rows[part], minlength=shape[0]))])
+        steps.append(sparse.csr_matrix((values[part], cols[part], indptr), shape=shape))
     return steps
 
 
@@ -256,14 +286,22 @@ def _levels_from_steps(steps, w, cov, mean):
                mean_b.copy())
 
 
-def _coordinates(op, shape, flat) -> tuple[np.ndarray, np.ndarray, int]:
-    """(output channel, column feature) of flat weight indices, and the number of columns."""
+def _flat_coordinates(op, shape) -> tuple:
+    """(output channel, column feature) of every flat weight index (int32), the number of
+    columns, and the flat indices in (row, column) order (None: flat order, all but an
+    "io" linear layer, whose rows are the weight's columns)."""
     if op.kind == "linear":
-        a, b = np.divmod(flat, shape[1])
-        return (a, b, shape[1]) if op.layout == "oi" else (b, a, shape[0])
+        a = np.repeat(np.arange(shape[0], dtype=np.int32), shape[1])
+        b = np.tile(np.arange(shape[1], dtype=np.int32), shape[0])
+        if op.layout == "oi":
+            return a, b, shape[1], None
+        return b, a, shape[0], np.arange(a.size).reshape(shape).T.ravel()
     per = int(np.prod(shape[1:]))
-    out, k = np.divmod(flat, per)
-    return out, (out // (shape[0] // op.groups)) * per + k, op.groups * per
+    out = np.repeat(np.arange(shape[0], dtype=np.int32), per)
+    cols = np.tile(np.arange(per, dtype=np.int32), shape[0])
+    if op.groups > 1:
+        cols += (out // (shape[0] // op.groups)) * per
+    return out, cols, op.groups * per, None
 
 
 def fold_layer(plan: dict, x: np.ndarray, images: np.ndarray,

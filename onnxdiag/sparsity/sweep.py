@@ -169,6 +169,7 @@ class Pruner:
         dense = self.logits(self.model)
         self.dense_pred = dense.argmax(axis=1)
         self.dense_moments = {}  # the repairs' dense layer-output moments, shared by cells
+        self.orders = {}  # the layers' magnitude orders (masks.make_masks), shared by cells
 
     @property
     def n_images(self) -> int:
@@ -182,7 +183,7 @@ class Pruner:
 
     def prune(self, allocation, method: str, *, masks=None):
         """(repaired pruned model, RepairRecord) for an allocation and a repair method."""
-        masks = make_masks(allocation, self.weights) if masks is None else masks
+        masks = make_masks(allocation, self.weights, self.orders) if masks is None else masks
         return repair_model(self.model, self.structure, masks, self.calib, method=method,
                             alpha_cap=self.alpha_cap, recalibrate=self.recalibrate,
                             providers=self.providers, threads=self.threads, ls=self.ls,
@@ -294,7 +295,7 @@ def _run_here(pruner, grid, rules, methods, eval_source, on_cell) -> list[SweepC
                 for method in methods:
                     add(SweepCell(float(S), rule, method, error=str(exc)))
                 continue
-            masks = make_masks(alloc, pruner.weights)
+            masks = make_masks(alloc, pruner.weights, pruner.orders)
             for method in methods:
                 model, _ = pruner.prune(alloc, method, masks=masks)
                 add(_measured((S, rule, method), alloc, model, pruner, eval_source,
