@@ -46,12 +46,13 @@ def magnitude_order(weight: np.ndarray) -> np.ndarray:
 
 
 def magnitude_mask(weight: np.ndarray, sparsity: float | None = None, *,
-                   n_keep: int | None = None) -> np.ndarray:
+                   n_keep: int | None = None, order: np.ndarray | None = None) -> np.ndarray:
     """Keep the largest |w| of ``weight`` (METHODS §C1): a bool mask of its shape, True = kept.
 
     Give ``sparsity`` (prunes exactly ``prune_count(size, sparsity)`` = ⌊s·size⌋
     weights) or ``n_keep`` (keeps exactly that many).  Ties in |w| keep the lower flat
-    index.  ``weight`` is not modified.
+    index.  ``order``: :func:`magnitude_order` of ``weight`` if already at hand.
+    ``weight`` is not modified.
     """
     weight = np.asarray(weight)
     if (sparsity is None) == (n_keep is None):
@@ -61,7 +62,7 @@ def magnitude_mask(weight: np.ndarray, sparsity: float | None = None, *,
     if not 0 <= n_keep <= weight.size:
         raise ValueError(f"n_keep={n_keep} outside [0, {weight.size}]")
     mask = np.zeros(weight.size, dtype=bool)
-    mask[magnitude_order(weight)[:n_keep]] = True
+    mask[(magnitude_order(weight) if order is None else order)[:n_keep]] = True
     return mask.reshape(weight.shape)
 
 
@@ -136,20 +137,13 @@ def make_masks(allocation, weights: Mapping[str, np.ndarray], orders: dict | Non
     ``orders``: a cache {name: :func:`magnitude_order` of its weight} for masks of the same
     weights made again (a sweep's cells); filled here with the layers it lacks. The masks
     are :func:`magnitude_mask`'s either way."""
-    if orders is None:
-        return {name: magnitude_mask(weights[name], n_keep=int(k))
-                for name, k in allocation.n_kept.items()}
     masks = {}
     for name, k in allocation.n_kept.items():
-        w = np.asarray(weights[name])
-        if not 0 <= int(k) <= w.size:
-            raise ValueError(f"n_keep={int(k)} outside [0, {w.size}]")
-        if name not in orders:  # int32 flat indices: half the memory of the cache
-            order = magnitude_order(w)
-            orders[name] = order.astype(np.int32) if w.size < 2 ** 31 else order
-        mask = np.zeros(w.size, dtype=bool)
-        mask[orders[name][:int(k)]] = True
-        masks[name] = mask.reshape(w.shape)
+        if orders is not None and name not in orders:  # int32 flat indices: half the memory
+            order = magnitude_order(weights[name])
+            orders[name] = order.astype(np.int32) if order.size < 2 ** 31 else order
+        masks[name] = magnitude_mask(weights[name], n_keep=int(k),
+                                     order=None if orders is None else orders[name])
     return masks
 
 
