@@ -32,7 +32,7 @@ from .ls_columns import (
     numpy_columns,
 )
 from .ls_repair import LSSettings, fit_layer, weight_rows
-from .lsq import CrossMoments
+from .lsq import TargetMoments
 from .offline import LayerOp, layer_op
 
 
@@ -46,7 +46,7 @@ class ColumnSource:
     op: LayerOp
     kernel: tuple
     geometry: ConvGeometry | None
-    acc: CrossMoments
+    acc: TargetMoments
 
 
 def ls_dense(editor: ModelEditor, dense_model, batches: list[dict], layers, masks: dict,
@@ -86,7 +86,8 @@ def column_sources(index: GraphIndex, layers) -> tuple[dict[str, ColumnSource], 
             keys[key] = name = f"lscols{len(keys)}"
             g = op.groups if op.kind == "conv" else 1
             k = la.n_in // g * int(np.prod(kernel)) if op.kind == "conv" else la.n_in
-            sources[name] = ColumnSource(name, la.input, op, kernel, geo, CrossMoments(g, k))
+            sources[name] = ColumnSource(name, la.input, op, kernel, geo,
+                                         TargetMoments(g, k, 0))
         of_layer[la.node_name] = keys[key]
     return sources, of_layer
 
@@ -134,7 +135,7 @@ def collect_columns(model, sources: dict[str, ColumnSource], batches: list[dict]
                 x = feeds[src.tensor] if src.tensor in inputs else out[names[src.tensor]]
                 cols = numpy_columns(src.op, x, src.kernel, settings.positions,
                                      settings.seed, images)
-            src.acc.update(cols, cols)
+            src.acc.update(cols, None)  # x_p = x_d
     for name in grams:
         permute_moments(sources[name].acc, channel_major(sources[name].geometry))
 
@@ -150,14 +151,10 @@ def fixed_batch(model) -> bool:
     return False
 
 
-def permute_moments(acc: CrossMoments, perm: np.ndarray) -> None:
+def permute_moments(acc: TargetMoments, perm: np.ndarray) -> None:
     """Reorder one-group moments of columns ``c`` to those of ``c[:, perm]`` (exact)."""
-    same = acc.pd is acc.pp
-    for name in ("sum_p", "sum_d"):
-        setattr(acc, name, getattr(acc, name)[:, perm])
-    for name in ("pp", "pd"):
-        setattr(acc, name, acc.pp if same and name == "pd" else
-                getattr(acc, name)[:, perm][:, :, perm])
+    acc.sum_p = acc.sum_p[:, perm]
+    acc.pp = acc.pp[:, perm][:, :, perm]
 
 
 def dense_output_sq(layer, src: ColumnSource, w: np.ndarray) -> np.ndarray:
@@ -165,8 +162,5 @@ def dense_output_sq(layer, src: ColumnSource, w: np.ndarray) -> np.ndarray:
     rows = weight_rows(layer, src.op, w)
     g = src.acc.pp.shape[0]
     per = rows.shape[0] // g
-    out = np.zeros(rows.shape[0])
-    for k in range(g):
-        part = rows[k * per:(k + 1) * per]
-        out[k * per:(k + 1) * per] = np.sum((part @ src.acc.moments(k)[0]) * part, axis=1)
-    return out
+    return np.concatenate([src.acc.output_sq(k, rows[k * per:(k + 1) * per])
+                           for k in range(g)])

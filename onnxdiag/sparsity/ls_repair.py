@@ -210,7 +210,7 @@ def refit_layer(editor: ModelEditor, layer, w: np.ndarray, mask: np.ndarray, xs_
 def fit_layer(editor: ModelEditor, layer, op, w: np.ndarray, mask: np.ndarray,
               acc, yd_sq: np.ndarray, settings: LSSettings) -> LSRepair:
     """Solve ``layer``'s rows per group from its moments ``acc`` (a
-    :class:`~onnxdiag.sparsity.lsq.TargetMoments` or ``CrossMoments``; ``yd_sq``:
+    :class:`~onnxdiag.sparsity.lsq.TargetMoments`; ``yd_sq``:
     E[(w_iᵀx_d)²] per row), write weight and bias into ``editor``; returns the record."""
     index = editor.index
     rows, rmask, alpha = weight_rows(layer, op, w), weight_rows(layer, op, mask), op.alpha

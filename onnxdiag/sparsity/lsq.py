@@ -3,14 +3,14 @@
 A layer computes y = W x + b, x a column of its input (a conv's im2col patch, C_in/g·k·k
 values per group; a linear layer's input row, every leading axis a position). On the
 calibration data the layer's input in the dense model is x_d and, with the upstream layers
-pruned and repaired, x_p. :class:`CrossMoments` streams, per group, the float64 sums of
-x_p, x_d, x_p x_pᵀ and x_p x_dᵀ (mergeable: the result does not depend on the batch split).
+pruned and repaired, x_p. :class:`TargetMoments` streams, per group, the float64 sums the
+row solves read (mergeable: the result does not depend on the batch split).
 
 Per output row i with kept support S_i (the mask), with H_pp = E[x_p x_pᵀ],
 H_pd = E[x_p x_dᵀ] and the ridge λ = ridge · mean diag(H_pp) (**our default** ridge 0.01):
 (the solves read H_pd only through H_pd w_i = E[x_p y_d,i], y_d = W x_d the dense layer's
 output before its bias: :class:`TargetMoments` streams that K × C_out product directly,
-a factor K / C_out fewer FLOPs than the K × K cross Gram of :class:`CrossMoments`)
+a factor K / C_out fewer FLOPs than the K × K cross Gram x_p x_dᵀ)
 
 - ``prior="weights"`` (**our default**): w'_S = (H_pp[S,S] + λI)⁻¹ (H_pd[S,:] w_i + λ w_i,S),
   the ridge pulling toward the layer's own kept weights, so that with nothing pruned
@@ -33,65 +33,6 @@ PRIORS = ("weights", "zero")
 EXACT_MAX = 1e9
 
 
-class CrossMoments:
-    """Float64 sums of the pruned / dense input columns of one layer, per group.
-
-    ``update(cols_p, cols_d)`` with columns ``(m, groups, K)``; the products (and the
-    column sums, as products with a ones vector: 9x faster than a float64 reduction) are
-    BLAS products in ``dtype`` (float32: the input's precision), summed into float64.
-    """
-
-    def __init__(self, groups: int, k: int, dtype=np.float32):
-        self.n = 0
-        self.dtype = dtype
-        self.sum_p = np.zeros((groups, k))
-        self.sum_d = np.zeros((groups, k))
-        self.pp = np.zeros((groups, k, k))
-        self.pd = np.zeros((groups, k, k))
-
-    def update(self, cols_p: np.ndarray, cols_d: np.ndarray) -> CrossMoments:
-        same = cols_d is cols_p  # an input no pruning reached: x_p = x_d
-        cp = np.asarray(cols_p, self.dtype)
-        cd = cp if same else np.asarray(cols_d, self.dtype)
-        ones = np.ones(cp.shape[0], self.dtype)  # column sums as BLAS products, too
-        for g in range(cp.shape[1]):
-            a, b = cp[:, g, :], cd[:, g, :]
-            aa = a.T @ a
-            self.pp[g] += aa
-            self.pd[g] += aa if same else a.T @ b
-            self.sum_p[g] += ones @ a
-            self.sum_d[g] += ones @ b
-        self.n += cp.shape[0]
-        return self
-
-    def update_gram(self, n: int, sums: np.ndarray, gram: np.ndarray) -> CrossMoments:
-        """Add one batch of ``n`` columns of a one-group input no pruning reached (x_p =
-        x_d) from their sums (K,) and Gram (K, K), computed elsewhere (float32); the x_d
-        sums follow the x_p ones (one array: they are equal)."""
-        self.pp[0] += gram
-        self.sum_p[0] += sums
-        self.pd, self.sum_d = self.pp, self.sum_p
-        self.n += n
-        return self
-
-    def merge(self, other: CrossMoments) -> CrossMoments:
-        for name in ("sum_p", "sum_d", "pp", "pd"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.n += other.n
-        return self
-
-    def moments(self, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(H_pp, H_pd, μ_p, μ_d) of group ``g`` (population moments)."""
-        n = max(self.n, 1)
-        return self.pp[g] / n, self.pd[g] / n, self.sum_p[g] / n, self.sum_d[g] / n
-
-    def row_moments(self, g: int, w: np.ndarray) -> tuple:
-        """What the row solves of group ``g``'s rows ``w`` (rows, K) read: (H_pp,
-        H_pd wᵀ (K, rows), μ_p, W μ_d (rows,))."""
-        h_pp, h_pd, mu_p, mu_d = self.moments(g)
-        return h_pp, h_pd @ np.asarray(w, np.float64).T, mu_p, np.asarray(w) @ mu_d
-
-
 class TargetMoments:
     """Float64 sums of one layer's pruned input columns x_p against the dense layer's
     outputs y_d = W x_d (before the bias), per group: Σ x_p, Σ x_p x_pᵀ, Σ x_p y_dᵀ,
@@ -99,8 +40,9 @@ class TargetMoments:
     K × K cross Gram. ``update(cols_p, y_d)``: columns ``(m, groups, K)``, outputs
     ``(m, groups, rows per group)``; ``y_d`` None: the input no pruning reached
     (x_p = x_d), whose projections are taken from H_pp in float64 when solving.
-    Products in ``dtype`` (float32), summed into float64; mergeable like
-    :class:`CrossMoments`.
+    ``per`` = 0: an accumulator for x_p = x_d only (inputs shared by layers of
+    different widths). Products in ``dtype`` (float32), summed into float64; the sums
+    merge, so the result does not depend on the batch split.
     """
 
     def __init__(self, groups: int, k: int, per: int, dtype=np.float32):
@@ -129,6 +71,14 @@ class TargetMoments:
         self.n += cp.shape[0]
         return self
 
+    def update_gram(self, n: int, sums: np.ndarray, gram: np.ndarray) -> TargetMoments:
+        """Add one batch of ``n`` columns of a one-group input no pruning reached (x_p =
+        x_d) from their sums (K,) and Gram (K, K), computed elsewhere (float32)."""
+        self.pp[0] += gram
+        self.sum_p[0] += sums
+        self.n += n
+        return self
+
     def merge(self, other: TargetMoments) -> TargetMoments:
         for name in ("sum_p", "pp", "py", "sum_y", "yy"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -137,8 +87,8 @@ class TargetMoments:
         return self
 
     def row_moments(self, g: int, w: np.ndarray) -> tuple:
-        """(H_pp, H_pd wᵀ, μ_p, W μ_d) of group ``g`` for its rows ``w`` (see
-        :meth:`CrossMoments.row_moments`); ``w`` is used only when x_p = x_d."""
+        """What the row solves of group ``g``'s rows ``w`` (rows, K) read: (H_pp,
+        H_pd wᵀ (K, rows), μ_p, W μ_d (rows,)); ``w`` is used only when x_p = x_d."""
         n = max(self.n, 1)
         h_pp, mu_p = self.pp[g] / n, self.sum_p[g] / n
         if self.same:
