@@ -24,10 +24,11 @@ round-robin in one process (so load from other processes hits each alike), the m
   prune     one allocation (rule ``rr`` at S = 0.9, the curves given) + masks + the cr+bn
             repair (its dense-moments pass and sequential segments, sessions included):
             what ``onnxdiag prune`` does after its RR curves, less emitting the file
-  sweep     one sweep cell: prune as above + the agreement pass on the calibration set
-            (``onnxdiag sweep`` runs RR once, then this per cell; its cells share one
-            dense-moments pass, made before the timings, so a cell is the sequential
-            pass + the agreement)
+  sweep     one sweep cell: prune as above + the agreement on the calibration set, as
+            ``onnxdiag sweep`` measures it (RR once, then this per cell; its cells share
+            one dense-moments pass, made before the timings, so a cell is the sequential
+            pass, which runs on to the head's logits, + the agreement read off them;
+            ``--fresh-agreement``: an agreement pass of its own, as before 2026-12-02)
 
 CPU seconds (``time.process_time``, all threads) are reported next to wall seconds: on a
 shared, loaded machine they show the work each pass adds; their baseline is the
@@ -70,7 +71,8 @@ def load_images(data: str | None, n: int) -> tuple[np.ndarray, np.ndarray | None
     return x[idx], None if y is None else y[idx]
 
 
-def make_passes(model_path: str, x, y, calib: int, batch_size: int, wanted) -> dict:
+def make_passes(model_path: str, x, y, calib: int, batch_size: int, wanted,
+                fresh_agreement: bool = False) -> dict:
     """{pass: a callable running it once} for the ``wanted`` passes."""
     from onnxdiag.channels.collect import (
         StatsRunner,
@@ -128,9 +130,15 @@ def make_passes(model_path: str, x, y, calib: int, batch_size: int, wanted) -> d
 
         fns["prune"] = prune
         if "sweep" in wanted:  # a sweep's cells share the first cell's dense moments
-            sweeper = Pruner(model, structure, feeds, rr_curves=curves)
+            sweeper = Pruner(model, structure, feeds, rr_curves=curves,
+                             pass_logits=not fresh_agreement)
             sweeper.prune(alloc, "cr+bn")
-            fns["sweep"] = lambda: sweeper.agreement(sweeper.prune(alloc, "cr+bn")[0])
+
+            def sweep_cell():  # as sweep's _measured, without evaluation data
+                pruned, record = sweeper.prune(alloc, "cr+bn")
+                return sweeper.measure(pruned, None, record)
+
+            fns["sweep"] = sweep_cell
     return {k: v for k, v in fns.items()
             if k in wanted or k in ("plain", "plain_nospin", "dense", "dense_nospin")}
 
@@ -207,6 +215,8 @@ def main(argv=None) -> int:
     ap.add_argument("--memory", default="", help="comma list of N for the peak-memory runs")
     ap.add_argument("--smoke", action="store_true", help="the bundled CNN, 256 images, "
                     "one repeat: every pass and check in seconds")
+    ap.add_argument("--fresh-agreement", action="store_true", help="sweep: a separate "
+                    "agreement pass instead of the logits of the repair's pass")
     ap.add_argument("--json", default=None)
     ap.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -217,7 +227,8 @@ def main(argv=None) -> int:
         args.n, args.calib, args.repeat, args.warmup, args.memory = 256, 32, 1, 0, "256"
     wanted = [p.strip() for p in args.passes.split(",") if p.strip()]
     x, y = load_images(args.data, args.n)
-    fns = make_passes(args.model, x, y, args.calib, args.batch_size, wanted)
+    fns = make_passes(args.model, x, y, args.calib, args.batch_size, wanted,
+                      args.fresh_agreement)
     med, cpu, times = interleaved_medians(fns, args.repeat, 0.0 if args.smoke else 0.2,
                                           args.warmup)
     res = {"model": args.model, "n": args.n, "calib": args.calib, "seconds": med,

@@ -385,3 +385,27 @@ def test_split_batches_cuts_runs_by_input_values_and_the_repair_ignores_the_spli
     for t, u in zip(a.graph.initializer, b.graph.initializer):
         x, y = onnx.numpy_helper.to_array(t), onnx.numpy_helper.to_array(u)
         assert np.abs(x.astype(np.float64) - y).max() <= 1e-6 * max(np.abs(y).max(), 1e-3)
+
+
+def test_pass_logits_equal_a_fresh_run_of_the_repaired_model():
+    """A sweep cell's agreement comes from the repair pass's logits: they equal a fresh
+    ONNX Runtime run of the repaired model to float32 rounding, with the same top-1."""
+    from onnxdiag.data.source import open_data
+    from onnxdiag.graph import analyze_structure
+    from onnxdiag.model.io import get_input_specs, load_model
+    from onnxdiag.sparsity.sweep import Pruner, materialize
+
+    m = load_model(ROOT_MODEL := "models/sample/model.onnx")
+    specs = get_input_specs(m)
+    name = specs[0].name if hasattr(specs[0], "name") else next(iter(specs))
+    with np.load("models/sample/calib.npz") as z:
+        x = z["input"][:128].astype(np.float32)
+    p = Pruner(m, analyze_structure(m), materialize(open_data({name: x}, specs, batch_size=64)))
+    for method in ("cr+bn", "bn", "shrunk-cr"):
+        pruned, record = p.prune(p.allocate("uniform", 0.9), method)
+        from_pass, fresh = p.pass_logits_of(record), p.logits(pruned)
+        assert from_pass is not None, ROOT_MODEL
+        assert np.abs(from_pass - fresh).max() <= 1e-5 * np.abs(fresh).max()
+        assert (from_pass.argmax(1) == fresh.argmax(1)).all()
+    pruned, record = p.prune(p.allocate("uniform", 0.9), "none")
+    assert p.pass_logits_of(record) is None  # no pass: measure() runs a fresh session

@@ -56,7 +56,7 @@ class RROptions:
     def grids(self) -> tuple:
         """(RR grid or None, scan grid or None), checked (OnnxDiagError)."""
         from ..sparsity import RULES
-        from ..sparsity.sweep import parse_sparsity_grid
+        from ..sparsity.grid import parse_sparsity_grid
 
         if self.allocation not in RULES:
             raise OnnxDiagError(f"Unknown allocation {self.allocation!r}; choose from "

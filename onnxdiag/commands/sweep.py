@@ -49,7 +49,7 @@ class SweepOptions:
     def choices(self) -> tuple[tuple, list, list]:
         """(grid, allocations, repairs), checked (OnnxDiagError)."""
         from ..sparsity import METHODS, RULES
-        from ..sparsity.sweep import parse_choices, parse_sparsity_grid
+        from ..sparsity.grid import parse_choices, parse_sparsity_grid
 
         if self.sparsity is None:
             raise OnnxDiagError("sweep needs a sparsity grid: give --sparsity, e.g. "

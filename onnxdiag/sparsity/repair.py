@@ -88,6 +88,9 @@ class RepairRecord:
     passes: dict
     notes: tuple[str, ...] = field(default_factory=tuple)
     ls: dict | None = None  # the LS settings (METHODS §E1) of an ls repair
+    #: {tensor: per-batch arrays} of ``repair_model``'s ``outputs`` as the sequential pass
+    #: computed them in the repaired model (not in ``to_dict``); empty without that pass
+    outputs: dict = field(default_factory=dict, repr=False)
 
     def to_dict(self, *, arrays: bool = False) -> dict:
         return {"method": self.method, "alpha_cap": self.alpha_cap, "ls": self.ls,
@@ -112,7 +115,8 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
                  method: str = "cr+bn", alpha_cap: float = 100.0, n_images: int | None = None,
                  recalibrate: str = "affected", providers=None, threads: int | None = None,
                  ls: LSSettings | None = None, label: str | None = None,
-                 dense: dict | None = None) -> tuple[onnx.ModelProto, RepairRecord]:
+                 dense: dict | None = None, outputs: tuple[str, ...] = ()
+                 ) -> tuple[onnx.ModelProto, RepairRecord]:
     """Prune ``model`` with ``masks`` and repair it on calibration data (METHODS §C1).
 
     Args:
@@ -130,6 +134,9 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
             non-head layer of ``masks`` it lacks is measured (one dense pass) and added,
             so many repairs of one model (a sweep's cells) share one dense pass and get
             the same moments whatever their order.
+        outputs: tensors (e.g. the head's logits) the cr / bn family's sequential pass
+            runs on to after its last repair (``RepairRecord.outputs``: a fresh run of the
+            returned model to float32 rounding; the pass caches α·y, the model uses α·W).
 
     Returns the repaired copy (``model`` is never modified; masks and repairs are one
     edit, checked once by ``ModelEditor.finish``) and its :class:`RepairRecord`, whose
@@ -158,11 +165,11 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
                 and la.op_type in PRUNABLE_OPS and la.node_name not in dense]
         dense.update(dense_moments(model, todo, batches, providers, threads))
         passes["dense"] = 1
-    done_layers, done_bns, passes["segments"] = _sequential(
+    done_layers, done_bns, passes["segments"], values = _sequential(
         editor, batches, plan.layers, dense, plan.bns, cr_kind, plan.affine, alpha_cap,
-        providers, threads, label)
+        providers, threads, label, tuple(outputs))
     return editor.finish(), RepairRecord(method, alpha_cap, recalibrate, n, done_layers,
-                                         done_bns, passes, plan.notes)
+                                         done_bns, passes, plan.notes, outputs=values)
 
 
 def _repair_ls(model, editor, structure, masks, batches, method, alpha_cap, recalibrate,
@@ -274,10 +281,12 @@ def repair_notes(model: onnx.ModelProto, layers, methods) -> list[str]:
 
 
 def _sequential(editor, batches, layers, dense, bns, cr_kind, affine, alpha_cap,
-                providers, threads, label=None) -> tuple[dict, dict, int]:
+                providers, threads, label=None, outputs: tuple = ()
+                ) -> tuple[dict, dict, int, dict]:
     """Repair ``layers`` (to ``dense`` moments; ``affine`` {name: bool}) and recalibrate
     ``bns`` of the model in ``editor`` in topological order, each measured with the
-    upstream repairs in place; returns (LayerRepair per layer, BNRepair per BN, sessions)."""
+    upstream repairs in place, then run on to ``outputs``; returns (LayerRepair per
+    layer, BNRepair per BN, sessions, {output: per-batch arrays})."""
     # threads sleep between segments: the NumPy work there needs the cores
     seg = SegmentedPass(editor.model, batches, providers=providers, threads=threads,
                         spinning=False)
@@ -286,7 +295,7 @@ def _sequential(editor, batches, layers, dense, bns, cr_kind, affine, alpha_cap,
     done_layers, done_bns, scaled = {}, {}, {}
     for pos, kind, i in progress(items, len(items), label) if label else items:
         tensor = layers[i].output if kind == 0 else bns[i].input[0]
-        seg.run_to(pos, keep=[tensor])
+        seg.run_to(pos, keep=[tensor, *outputs])
         if kind == 0:
             la = layers[i]
             rep = done_layers[la.node_name] = fold_repair(
@@ -297,7 +306,10 @@ def _sequential(editor, batches, layers, dense, bns, cr_kind, affine, alpha_cap,
         else:
             done_bns[bns[i].name] = recalibrate_bn(seg.frontier, editor, bns[i],
                                                    scaled.get(tensor))
-    return done_layers, done_bns, seg.n_segments
+    if outputs:  # every repair is in place: the rest of the graph sees them all
+        seg.run_to(max(seg.position(t) for t in outputs), keep=outputs)
+    values = {t: seg.frontier[t] for t in outputs if t in seg.frontier}
+    return done_layers, done_bns, seg.n_segments, values
 
 
 def recalibrate_batchnorm(model: onnx.ModelProto, calib_source, *, dense_model=None,
@@ -345,7 +357,7 @@ def recalibrate_batchnorm(model: onnx.ModelProto, calib_source, *, dense_model=N
         full = dense_moments if dense_moments is not None else conv_output_moments(
             dense_model, batches, head=head, providers=providers, threads=threads)
         dense = _kept_moments(folded, full, kept_channels or {})
-    done_layers, done_bns, segments = _sequential(
+    done_layers, done_bns, segments, _ = _sequential(
         editor, batches, folded, dense, bns, None, {la.node_name: True for la in folded},
         alpha_cap, providers, threads)
     return editor.finish(), RepairRecord("bn", alpha_cap, "all", n, done_layers, done_bns,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
 
 import numpy as np
 
@@ -21,84 +20,13 @@ from ..model.expose import expose_tensors
 from ..runtime.runner import OrtRunner
 from .allocation import RULES, allocate_sparsity
 from .budget import no_prunable_message
+from .grid import MAX_GRID_POINTS, parse_choices, parse_sparsity_grid  # noqa: F401 - re-exported
 from .masks import describe_layers, find_prunable, make_masks, read_weights
 from .repair import METHODS, repair_model
 from .transition import cts, cts_band, transition_band
 
-#: Most grid points a sparsity specification may expand to (guards against typos).
-MAX_GRID_POINTS = 1000
 #: METHODS §C4 label-free band: the repair whose agreement defines it, and the one CTS compares.
 BAND_REPAIR, CTS_BASELINE = "cr+bn", "bn"
-
-
-def parse_sparsity_grid(spec) -> tuple[float, ...]:
-    """Sparsities from ``"0.90:0.97:0.005"`` (start:stop:step, stop included), ``"0.9,0.95"``
-    (pieces may mix both forms) or a number / list of numbers; sorted, unique, in [0, 1).
-
-    Steps are exact decimals, so 0.90:0.97:0.005 gives 15 points without float drift.
-
-    Raises:
-        OnnxDiagError: a malformed piece, a value outside [0, 1), or too many points.
-    """
-    if isinstance(spec, (int, float)):
-        spec = [spec]
-    pieces = [p.strip() for p in spec.split(",")] if isinstance(spec, str) else list(spec)
-    values: set[Decimal] = set()
-    for piece in pieces:
-        if isinstance(piece, str) and ":" in piece:
-            values |= _expand_range(piece, spec)
-        else:
-            values.add(_decimal(piece, spec))
-    if not values:
-        raise OnnxDiagError(f"Sparsity grid {spec!r} is empty; give e.g. 0.90:0.97:0.005.")
-    bad = [v for v in values if not 0 <= v < 1]
-    if bad:
-        raise OnnxDiagError(f"Sparsity {bad[0]} in {spec!r} is outside [0, 1); give fractions "
-                            "such as 0.95 for 95 % of the prunable weights removed.")
-    return tuple(float(v) for v in sorted(values))
-
-
-def _decimal(text, spec) -> Decimal:
-    try:
-        value = Decimal(str(text).strip())
-    except InvalidOperation:
-        raise OnnxDiagError(f"Sparsity grid {spec!r}: {text!r} is not a number; give e.g. "
-                            "0.90:0.97:0.005 or 0.9,0.95.") from None
-    if not value.is_finite():
-        raise OnnxDiagError(f"Sparsity grid {spec!r}: {text!r} is not a finite number.")
-    return value
-
-
-def _expand_range(piece: str, spec) -> set[Decimal]:
-    parts = piece.split(":")
-    if len(parts) != 3:
-        raise OnnxDiagError(f"Sparsity range {piece!r} needs start:stop:step, e.g. "
-                            "0.90:0.97:0.005.")
-    start, stop, step = (_decimal(p, spec) for p in parts)
-    if step <= 0 or stop < start:
-        raise OnnxDiagError(f"Sparsity range {piece!r} needs step > 0 and stop >= start.")
-    n = int((stop - start) / step) + 1
-    if n > MAX_GRID_POINTS:
-        raise OnnxDiagError(f"Sparsity range {piece!r} has {n} points (at most "
-                            f"{MAX_GRID_POINTS}); use a larger step.")
-    return {start + i * step for i in range(n)}
-
-
-def parse_choices(spec, known: Sequence[str], what: str, *, all_means=None) -> list[str]:
-    """Names from ``"a,b"`` (or a list); ``"all"`` gives ``all_means`` (default ``known``).
-
-    Raises OnnxDiagError naming an unknown choice and listing the known ones.
-    """
-    if isinstance(spec, str):
-        if spec.strip() == "all":
-            return list(all_means or known)
-        spec = [p.strip() for p in spec.split(",") if p.strip()]
-    names = list(dict.fromkeys(spec))
-    unknown = [n for n in names if n not in known]
-    if unknown or not names:
-        raise OnnxDiagError(f"Unknown {what} {unknown[0] if unknown else '(none)'!r}; choose "
-                            f"from {', '.join(known)} (comma-separated) or 'all'.")
-    return names
 
 
 def materialize(source, n_images: int | None = None) -> list[dict]:
@@ -127,7 +55,11 @@ def logits_runner(model, head, *, providers=None, threads=None) -> OrtRunner:
 
 def run_logits(runner: OrtRunner, head, batches: Iterable[dict]) -> np.ndarray:
     """Head logits ``(n_samples, n_classes)`` float64 over feed dicts."""
-    parts = [runner.run(feeds, [head.logits])[head.logits] for feeds in batches]
+    return stack_logits([runner.run(feeds, [head.logits])[head.logits] for feeds in batches])
+
+
+def stack_logits(parts) -> np.ndarray:
+    """Per-batch logits as one ``(n_samples, n_classes)`` float64 array."""
     return np.concatenate([np.asarray(p, np.float64).reshape(p.shape[0], -1) for p in parts])
 
 
@@ -143,6 +75,10 @@ class Pruner:
         options: allocation settings (prior, gamma, cap, force_projection, step).
         alpha_cap, recalibrate: repair settings (METHODS §C1); ls: the
             :class:`~onnxdiag.sparsity.ls_repair.LSSettings` of ``ls`` / ``ls+bn`` (§E1).
+        pass_logits: (**our default** True) a repair's sequential pass also runs on to the
+            head's logits, and a sweep cell's agreement is read from them (float32
+            rounding of a fresh run of the repaired model: the pass caches α·y where the
+            model computes with α·W) instead of a further pass; False: a fresh session.
     """
 
     model: object
@@ -157,6 +93,7 @@ class Pruner:
     threads: int | None = None
     ls: object = None  # LSSettings of the ls repairs (METHODS §E1); None: the defaults
     label: str | None = None  # progress bars of each repair's sequential pass (None: none)
+    pass_logits: bool = True
 
     def __post_init__(self):
         self.keep_dense = tuple(self.keep_dense)
@@ -182,13 +119,21 @@ class Pruner:
                                  **self.options)
 
     def prune(self, allocation, method: str, *, masks=None):
-        """(repaired pruned model, RepairRecord) for an allocation and a repair method."""
+        """(repaired pruned model, RepairRecord) for an allocation and a repair method;
+        with ``pass_logits`` the record's ``outputs`` hold the head's logits when the
+        repair ran a sequential pass (:meth:`pass_logits_of`)."""
         masks = make_masks(allocation, self.weights, self.orders) if masks is None else masks
         return repair_model(self.model, self.structure, masks, self.calib, method=method,
                             alpha_cap=self.alpha_cap, recalibrate=self.recalibrate,
                             providers=self.providers, threads=self.threads, ls=self.ls,
                             label=self.label and f"{self.label} ({method})",
-                            dense=self.dense_moments)
+                            dense=self.dense_moments,
+                            outputs=(self.head.logits,) if self.pass_logits else ())
+
+    def pass_logits_of(self, record) -> np.ndarray | None:
+        """The head logits a repair's sequential pass computed (None: it ran none)."""
+        parts = None if record is None else record.outputs.get(self.head.logits)
+        return None if parts is None else stack_logits(parts)
 
     def logits(self, model, runner=None) -> np.ndarray:
         """Head logits of ``model`` on the calibration set."""
@@ -196,19 +141,25 @@ class Pruner:
                                          threads=self.threads)
         return run_logits(runner, self.head, self.calib)
 
-    def agreement(self, model, runner=None) -> float:
-        """Agr: fraction of calibration images with the dense model's top-1 (METHODS §C4)."""
-        return float(np.mean(self.logits(model, runner).argmax(axis=1) == self.dense_pred))
+    def agreement(self, model, runner=None, logits=None) -> float:
+        """Agr: fraction of calibration images with the dense model's top-1 (METHODS §C4);
+        ``logits``: the model's calibration logits when already known."""
+        logits = self.logits(model, runner) if logits is None else logits
+        return float(np.mean(logits.argmax(axis=1) == self.dense_pred))
 
-    def measure(self, model, eval_source=None) -> tuple[float, dict | None]:
+    def measure(self, model, eval_source=None, record=None) -> tuple[float, dict | None]:
         """(agreement on the calibration set, accuracy / loss on the labelled
-        ``eval_source`` or None; :func:`onnxdiag.evaluate.evaluate`)."""
+        ``eval_source`` or None; :func:`onnxdiag.evaluate.evaluate`); ``record``: the
+        repair's RepairRecord, whose pass logits then give the agreement."""
         from ..evaluate import evaluate, make_head_runner
 
+        logits = self.pass_logits_of(record)
+        if logits is not None and eval_source is None:
+            return self.agreement(model, logits=logits), None
         runner = make_head_runner(model, self.head, providers=self.providers,
                                   threads=self.threads)
         ev = evaluate(runner, self.head, eval_source)
-        return self.agreement(model, runner), None if ev is None else ev.to_dict()
+        return self.agreement(model, runner, logits), None if ev is None else ev.to_dict()
 
 
 @dataclass(frozen=True)
@@ -232,9 +183,9 @@ class SweepCell:
         return dict(self.__dict__)
 
 
-def _measured(key: tuple, alloc, model, pruner: Pruner, eval_source, seconds: float
-              ) -> SweepCell:
-    agr, ev = pruner.measure(model, eval_source)
+def _measured(key: tuple, alloc, model, pruner: Pruner, eval_source, seconds: float,
+              record=None) -> SweepCell:
+    agr, ev = pruner.measure(model, eval_source, record)
     return SweepCell(float(key[0]), key[1], key[2], agreement=agr,
                      accuracy=None if ev is None else ev["accuracy"],
                      loss=None if ev is None else ev["loss"], seconds=seconds,
@@ -251,9 +202,9 @@ def _sweep_cell(key: tuple, pruner: Pruner, shipped_eval, specs) -> SweepCell:
         alloc = pruner.allocate(rule, S)
     except OnnxDiagError as exc:
         return SweepCell(float(S), rule, method, error=str(exc))
-    model, _ = pruner.prune(alloc, method)
+    model, record = pruner.prune(alloc, method)
     source = None if shipped_eval is None else receive(shipped_eval, specs)
-    return _measured(key, alloc, model, pruner, source, time.perf_counter() - t0)
+    return _measured(key, alloc, model, pruner, source, time.perf_counter() - t0, record)
 
 
 def _run_on(executor, pruner, keys, shipped, on_cell) -> list[SweepCell]:
@@ -297,9 +248,9 @@ def _run_here(pruner, grid, rules, methods, eval_source, on_cell) -> list[SweepC
                 continue
             masks = make_masks(alloc, pruner.weights, pruner.orders)
             for method in methods:
-                model, _ = pruner.prune(alloc, method, masks=masks)
+                model, record = pruner.prune(alloc, method, masks=masks)
                 add(_measured((S, rule, method), alloc, model, pruner, eval_source,
-                              time.perf_counter() - t0))
+                              time.perf_counter() - t0, record))
                 t0 = time.perf_counter()
     return cells
 
