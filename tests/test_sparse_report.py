@@ -29,10 +29,9 @@ from onnxdiag.sparsity import (
     read_weights,
     repair_model,
 )
+from onnxdiag.sparsity.grid import parse_choices, parse_sparsity_grid
 from onnxdiag.sparsity.sweep import (
     SweepCell,
-    parse_choices,
-    parse_sparsity_grid,
     ranges,
     transition_summary,
     winners,

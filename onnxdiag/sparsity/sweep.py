@@ -20,7 +20,6 @@ from ..model.expose import expose_tensors
 from ..runtime.runner import OrtRunner
 from .allocation import RULES, allocate_sparsity
 from .budget import no_prunable_message
-from .grid import MAX_GRID_POINTS, parse_choices, parse_sparsity_grid  # noqa: F401 - re-exported
 from .masks import describe_layers, find_prunable, make_masks, read_weights
 from .repair import METHODS, repair_model
 from .transition import cts, cts_band, transition_band
