@@ -19,6 +19,9 @@ round-robin in one process (so load from other processes hits each alike), the m
   readouts  the readout pass (head features + logits, every readout)
   dense     plain ORT inference over the first --calib images (the baseline of rr, prune,
             sweep: "one dense pass over the calibration set"; dense_nospin likewise)
+  segments  the sequential repair pass's ONNX Runtime part alone: the --calib images run
+            in segments cut after every prunable layer's output, as the cr+bn repair
+            runs them, with no repair (one session per segment, created in the pass)
   rr        compute_rr_curves on the --calib images (default grid of 28 sparsities, 16
             positions; capture session included)
   prune     one allocation (rule ``rr`` at S = 0.9, the curves given) + masks + the cr+bn
@@ -29,6 +32,8 @@ round-robin in one process (so load from other processes hits each alike), the m
             one dense-moments pass, made before the timings, so a cell is the sequential
             pass, which runs on to the head's logits, + the agreement read off them;
             ``--fresh-agreement``: an agreement pass of its own, as before 2026-12-02)
+``--own-arenas``: each sequential-pass segment's session gets its own CPU arena, as before
+the shared arena of ``onnxdiag/runtime/arena.py`` (the A/B of that change).
 
 CPU seconds (``time.process_time``, all threads) are reported next to wall seconds: on a
 shared, loaded machine they show the work each pass adds; their baseline is the
@@ -55,9 +60,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import ROOT, check, load_fashion_mnist_test  # noqa: E402
 
-PASSES = ("plain", "plain_nospin", "channels", "readouts", "dense", "rr", "prune", "sweep")
+PASSES = ("plain", "plain_nospin", "channels", "readouts", "dense", "segments", "rr", "prune",
+          "sweep")
 BASELINE = {"channels": "plain", "readouts": "plain", "plain_nospin": "plain", "rr": "dense",
-            "prune": "dense", "sweep": "dense", "dense_nospin": "dense"}
+            "prune": "dense", "sweep": "dense", "dense_nospin": "dense", "segments": "dense"}
 
 
 def load_images(data: str | None, n: int) -> tuple[np.ndarray, np.ndarray | None]:
@@ -116,9 +122,19 @@ def make_passes(model_path: str, x, y, calib: int, batch_size: int, wanted,
         fns["readouts"] = lambda: probe_model(model, structure, source, runner=head_runner)
     fns["dense"] = lambda: run_all(plain, csource)
     fns["dense_nospin"] = lambda: run_all(quiet, csource)
+    layers = find_prunable(structure)
+    if "segments" in wanted:
+        from onnxdiag.sparsity.segments import SegmentedPass, split_batches
+
+        def segments():  # as repair._sequential's pass, without its folds
+            seg = SegmentedPass(model, split_batches(feeds), spinning=False)
+            for la in sorted(layers, key=lambda la: seg.position(la.output)):
+                seg.run_to(seg.position(la.output), keep=[la.output])
+            return seg.n_segments
+
+        fns["segments"] = segments
     sparse = {"rr", "prune", "sweep"} & set(wanted)
     if sparse:
-        layers = find_prunable(structure)
         curves = compute_rr_curves(model, layers, feeds, n_images=calib)
         pruner = Pruner(model, structure, feeds, rr_curves=curves)
         alloc = pruner.allocate("rr", 0.9)
@@ -217,6 +233,8 @@ def main(argv=None) -> int:
                     "one repeat: every pass and check in seconds")
     ap.add_argument("--fresh-agreement", action="store_true", help="sweep: a separate "
                     "agreement pass instead of the logits of the repair's pass")
+    ap.add_argument("--own-arenas", action="store_true", help="segments / prune / sweep: "
+                    "every segment session its own CPU arena instead of the shared one")
     ap.add_argument("--json", default=None)
     ap.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -226,6 +244,10 @@ def main(argv=None) -> int:
     if args.smoke:
         args.n, args.calib, args.repeat, args.warmup, args.memory = 256, 32, 1, 0, "256"
     wanted = [p.strip() for p in args.passes.split(",") if p.strip()]
+    if args.own_arenas:
+        from onnxdiag.sparsity import segments
+
+        segments.SHARED_ARENA = False
     x, y = load_images(args.data, args.n)
     fns = make_passes(args.model, x, y, args.calib, args.batch_size, wanted,
                       args.fresh_agreement)

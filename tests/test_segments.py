@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxdiag.graph import analyze_structure
 from onnxdiag.model.edit import ModelEditor
+from onnxdiag.model.expose import expose_tensors
 from onnxdiag.model.io import load_model
 from onnxdiag.sparsity import (
     allocate_sparsity,
@@ -128,3 +129,45 @@ def test_repair_of_constant_node_weights_equals_the_initializer_twin(method):
     feeds = corpus.random_feeds(a, batch=5, seed=3)
     np.testing.assert_allclose(corpus.run_ort(a, feeds)["logits"],
                                corpus.run_ort(b, feeds)["logits"], rtol=1e-5, atol=1e-6)
+
+
+def test_shared_arena_segments_equal_own_arenas_and_one_session():
+    """The bundled torch export measured at every conv output, its segments' sessions
+    sharing one CPU arena (runtime/arena.py) or each with its own: the same arrays bit
+    for bit, and one session's values of the same tensors to float rounding."""
+    model = load_model("models/sample/model.onnx")
+    layers = find_prunable(analyze_structure(model))
+    name = model.graph.input[0].name
+    x = np.random.default_rng(0).random((40, 1, 28, 28), np.float32)
+    calib = [{name: x[:24]}, {name: x[24:]}]
+    runs = []
+    for shared in (True, False):
+        seg = SegmentedPass(model, calib, providers="cpu", shared_arena=shared)
+        seen = {}
+        for la in layers:
+            seg.run_to(seg.position(la.output), keep=[la.output])
+            seen[la.output] = [a.copy() for a in seg.frontier[la.output]]
+        assert seg.n_segments == len(layers)
+        runs.append(seen)
+    outputs = [la.output for la in layers]
+    for t in outputs:
+        for a, b in zip(runs[0][t], runs[1][t]):
+            np.testing.assert_array_equal(a, b)
+    exposed = expose_tensors(model, outputs)
+    for i, feeds in enumerate(calib):
+        want = corpus.run_ort(exposed, feeds)
+        for t in outputs:
+            np.testing.assert_allclose(runs[0][t][i], want[t], rtol=1e-4, atol=1e-5)
+
+
+def test_shared_arena_is_set_for_cpu_sessions_only():
+    import onnxruntime as ort
+
+    from onnxdiag.runtime.arena import shared_cpu_arena, use_shared_arena
+
+    assert shared_cpu_arena() and shared_cpu_arena()  # registered once, then reused
+    options = ort.SessionOptions()
+    assert use_shared_arena(options, ["CPUExecutionProvider"])
+    assert options.get_session_config_entry("session.use_env_allocators") == "1"
+    other = ort.SessionOptions()
+    assert not use_shared_arena(other, ["CUDAExecutionProvider", "CPUExecutionProvider"])

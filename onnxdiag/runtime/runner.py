@@ -103,10 +103,14 @@ class OrtRunner:
         providers: see :func:`resolve_providers`.
         optimization: graph optimisation level, one of ``OPTIMIZATION_LEVELS``.
         threads: intra-op threads (None: ORT's default, all cores).
+        spinning: False: intra-op threads sleep between runs.
+        shared_arena: draw CPU memory from the process's shared arena
+            (:mod:`.arena`; CPU-only sessions), for the many short sessions of one pass.
     """
 
     def __init__(self, model, *, providers=None, optimization: str = "all",
-                 threads: int | None = None, spinning: bool = True):
+                 threads: int | None = None, spinning: bool = True,
+                 shared_arena: bool = False):
         ort = import_ort()
         options = ort.SessionOptions()
         options.graph_optimization_level = {
@@ -120,6 +124,10 @@ class OrtRunner:
         if not spinning:  # threads sleep between runs: leaves the cores to NumPy work
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.requested_providers = resolve_providers(providers)
+        if shared_arena:
+            from .arena import use_shared_arena
+
+            use_shared_arena(options, self.requested_providers)
         self._tmp = None
         self._model = model  # a reference (no copy): read again only after a failed run
         self.session = open_session(self._session_source(model), options,

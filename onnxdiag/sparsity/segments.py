@@ -29,6 +29,9 @@ from ..runtime.runner import OrtRunner
 #: threshold, so they are not page-faulted fresh on every run (measured: less system time,
 #: same results to float rounding); 28×28 inputs keep batches of up to 1,337 images.
 RUN_VALUES = 1 << 20
+#: Whether the segments' sessions share one CPU arena (**our default** True: each new
+#: session's own arena is page-faulted in anew, ~1 M faults per ResNet-50 pass).
+SHARED_ARENA = True
 
 
 def split_batches(batches: list[dict], max_values: int = RUN_VALUES) -> list[dict]:
@@ -64,6 +67,8 @@ class SegmentedPass:
             (only nodes not yet executed see the edit).
         batches: a list of feed dicts (the calibration set, in memory).
         providers, threads, optimization, spinning: see :class:`~onnxdiag.runner.OrtRunner`.
+        shared_arena: the segments' sessions share one CPU arena
+            (:mod:`onnxdiag.runtime.arena`); None: :data:`SHARED_ARENA`.
 
     Edits may change initializers and rewire node inputs to new initializers (as
     :func:`~onnxdiag.sparsity.masks.set_input_constant` does); each segment reads its
@@ -75,12 +80,14 @@ class SegmentedPass:
 
     def __init__(self, model: onnx.ModelProto, batches: list[dict], *, providers=None,
                  threads: int | None = None, optimization: str = "all",
-                 spinning: bool = True):
+                 spinning: bool = True, shared_arena: bool | None = None):
         self.model = model
         self.index = GraphIndex(model)
         self.batches = batches
+        # one arena for every segment's session (runtime/arena.py: pages touched once)
         self.options = dict(providers=providers, threads=threads, optimization=optimization,
-                            spinning=spinning)
+                            spinning=spinning,
+                            shared_arena=SHARED_ARENA if shared_arena is None else shared_arena)
         self.reads = [node_reads(n) for n in self.index.nodes]
         self.last_use: dict[str, int] = {}
         for pos, names in enumerate(self.reads):
