@@ -25,8 +25,11 @@ round-robin in one process (so load from other processes hits each alike), the m
   rr        compute_rr_curves on the --calib images (default grid of 28 sparsities, 16
             positions; capture session included)
   prune     one allocation (rule ``rr`` at S = 0.9, the curves given) + masks + the cr+bn
-            repair (its dense-moments pass and sequential segments, sessions included):
-            what ``onnxdiag prune`` does after its RR curves, less emitting the file
+            repair (its sequential segments, sessions included): what ``onnxdiag prune``
+            does after its RR curves, less emitting the file. RR on every calibration image
+            (as here) folds the repair's dense moments in its capture pass, so rr includes
+            them and prune runs no dense pass; ``--separate-dense-pass``: RR without them
+            and prune with a dense-moments pass of its own (before 2026-12-02, 15:00)
   sweep     one sweep cell: prune as above + the agreement on the calibration set, as
             ``onnxdiag sweep`` measures it (RR once, then this per cell; its cells share
             one dense-moments pass, made before the timings, so a cell is the sequential
@@ -78,7 +81,7 @@ def load_images(data: str | None, n: int) -> tuple[np.ndarray, np.ndarray | None
 
 
 def make_passes(model_path: str, x, y, calib: int, batch_size: int, wanted,
-                fresh_agreement: bool = False) -> dict:
+                fresh_agreement: bool = False, separate_dense: bool = False) -> dict:
     """{pass: a callable running it once} for the ``wanted`` passes."""
     from onnxdiag.channels.collect import (
         StatsRunner,
@@ -135,13 +138,19 @@ def make_passes(model_path: str, x, y, calib: int, batch_size: int, wanted,
         fns["segments"] = segments
     sparse = {"rr", "prune", "sweep"} & set(wanted)
     if sparse:
-        curves = compute_rr_curves(model, layers, feeds, n_images=calib)
+        # as the verbs: RR on every calibration image folds the repairs' dense moments too
+        def rr():
+            return compute_rr_curves(model, layers, feeds, n_images=calib,
+                                     output_moments=not separate_dense)
+
+        curves = rr()
         pruner = Pruner(model, structure, feeds, rr_curves=curves)
         alloc = pruner.allocate("rr", 0.9)
-        fns["rr"] = lambda: compute_rr_curves(model, layers, feeds, n_images=calib)
+        fns["rr"] = rr
 
-        def prune():  # as `onnxdiag prune`: the dense-moments pass included
+        def prune():  # as `onnxdiag prune` after its RR curves
             pruner.dense_moments.clear()
+            pruner.dense_moments.update(curves.output_moments or {})
             return pruner.prune(pruner.allocate("rr", 0.9), "cr+bn")
 
         fns["prune"] = prune
@@ -233,6 +242,8 @@ def main(argv=None) -> int:
                     "one repeat: every pass and check in seconds")
     ap.add_argument("--fresh-agreement", action="store_true", help="sweep: a separate "
                     "agreement pass instead of the logits of the repair's pass")
+    ap.add_argument("--separate-dense-pass", action="store_true", help="rr / prune: the "
+                    "repair's dense moments from a pass of its own, not the RR capture")
     ap.add_argument("--own-arenas", action="store_true", help="segments / prune / sweep: "
                     "every segment session its own CPU arena instead of the shared one")
     ap.add_argument("--json", default=None)
@@ -250,7 +261,7 @@ def main(argv=None) -> int:
         segments.SHARED_ARENA = False
     x, y = load_images(args.data, args.n)
     fns = make_passes(args.model, x, y, args.calib, args.batch_size, wanted,
-                      args.fresh_agreement)
+                      args.fresh_agreement, args.separate_dense_pass)
     med, cpu, times = interleaved_medians(fns, args.repeat, 0.0 if args.smoke else 0.2,
                                           args.warmup)
     res = {"model": args.model, "n": args.n, "calib": args.calib, "seconds": med,

@@ -240,3 +240,17 @@ print(sorted(pkg.cli.commands))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["['prune',", "'rr',", "'sweep']"]
+
+
+@pytest.mark.parametrize("rr_images, dense_passes", [(32, 0), (16, 1)])
+def test_prune_takes_the_dense_moments_from_the_rr_capture_on_the_same_images(
+        corpus_files, tmp_path, rr_images, dense_passes):
+    """RR on every calibration image (32 here) also gives the repair its dense moments:
+    the report's repair ran no dense pass of its own; on fewer images it runs one."""
+    result = run("prune", corpus_files / "res.onnx", "--data", corpus_files / "calib.npz",
+                 "--sparsity", 0.7, "--allocation", "rr", "--repair", "cr+bn",
+                 "--rr-images", rr_images, "-o", tmp_path / "p.onnx", "--out",
+                 tmp_path / "rep", "--format", "json")
+    assert result.exit_code == 0, result.output
+    repair = json.loads(result.stdout)["prune"]["repair"]
+    assert repair["passes"]["dense"] == dense_passes and repair["n_images"] == 32

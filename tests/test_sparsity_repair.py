@@ -409,3 +409,37 @@ def test_pass_logits_equal_a_fresh_run_of_the_repaired_model():
         assert (from_pass.argmax(1) == fresh.argmax(1)).all()
     pruned, record = p.prune(p.allocate("uniform", 0.9), "none")
     assert p.pass_logits_of(record) is None  # no pass: measure() runs a fresh session
+
+
+@pytest.mark.parametrize("build", [residual_block, conv_bn_folded])
+def test_rr_capture_output_moments_replace_the_repairs_dense_pass(build):
+    """compute_rr_curves(output_moments=True) folds every non-head layer's dense output
+    moments in its capture pass: they equal the repairs' own dense pass to float32
+    rounding, the curves are unchanged, and a repair given them runs no dense pass and
+    writes the same model."""
+    from onnxdiag.sparsity import compute_rr_curves
+    from onnxdiag.sparsity.fold import dense_moments
+
+    model, structure, masks, calib = _setup(build, S=0.7)
+    layers = find_prunable(structure)
+    plain = compute_rr_curves(model, layers, calib, n_images=12)
+    both = compute_rr_curves(model, layers, calib, n_images=12, output_moments=True)
+    assert plain.output_moments is None
+    np.testing.assert_allclose(both.rr, plain.rr, rtol=1e-4, atol=1e-7)
+    want = dense_moments(model, [la for la in layers if not la.is_head], calib, None, None)
+    assert set(both.output_moments) == set(want) and want
+    for name, m in want.items():
+        got = both.output_moments[name]
+        assert got.n == m.n
+        sigma = np.sqrt(m.var())
+        np.testing.assert_allclose(got.mean, m.mean, rtol=0, atol=1e-5 * sigma.max())
+        np.testing.assert_allclose(got.var(), m.var(), rtol=1e-5, atol=1e-12)
+    cache = dict(both.output_moments)
+    seeded, record = repair_model(model, structure, masks, calib, dense=cache)
+    fresh, own = repair_model(model, structure, masks, calib)
+    assert record.passes["dense"] == 0 and own.passes["dense"] == 1
+    for t, u in zip(seeded.graph.initializer, fresh.graph.initializer):
+        x, y = onnx.numpy_helper.to_array(t), onnx.numpy_helper.to_array(u)
+        assert np.abs(x.astype(np.float64) - y).max() <= 1e-5 * max(np.abs(y).max(), 1e-3)
+    np.testing.assert_allclose(_logits(seeded, calib), _logits(fresh, calib), rtol=1e-4,
+                               atol=1e-5)

@@ -120,7 +120,7 @@ def prune_inputs(inputs: Inputs, options: PruneOptions, budget, runtime) -> tupl
     curves = None
     if rule.startswith("rr") and budget.n_pruned:
         curves = compute_curves(inputs, opts, seed=options.seed, providers=runtime.providers,
-                                progress=runtime.progress)
+                                progress=runtime.progress, methods=(options.repair,))
     pruner = make_pruner(inputs, opts, curves, runtime.providers, seed=options.seed,
                          progress=runtime.progress)
     if not budget.n_pruned:  # nothing to remove: no allocation rule or repair runs

@@ -153,12 +153,16 @@ def open_inputs(model, data, eval_data=None, *, head: HeadChoice | None = None,
 
 
 def compute_curves(inputs: Inputs, options: PrunerOptions, *, seed=0, grid=None,
-                   providers=None, progress=False, executor=None):
+                   providers=None, progress=False, executor=None, methods=()):
     """RR curves on the first ``rr_images`` calibration images, each conv's moments over
-    ``rr_positions`` seeded output positions per image (docs/METHODS.md §C2)."""
+    ``rr_positions`` seeded output positions per image (docs/METHODS.md §C2). When they
+    are every calibration image and one of the repair ``methods`` to follow needs the
+    dense layer-output moments, the capture pass folds those too (:func:`make_pruner`
+    hands them to the Pruner: one dense pass fewer)."""
     from ..sparsity import DEFAULT_GRID, compute_rr_curves
     from ..sparsity.budget import no_prunable_message
     from ..sparsity.repairability import parse_positions
+    from ..sparsity.segments import batch_len
 
     if not inputs.layers:  # refused before any progress line: the error is the only one
         raise OnnxDiagError(no_prunable_message(inputs.structure.layers))
@@ -167,10 +171,19 @@ def compute_curves(inputs: Inputs, options: PrunerOptions, *, seed=0, grid=None,
     where = "every position" if positions is None else f"{positions} positions per image"
     say(progress, f"RR curves: {len(inputs.layers)} layers x {len(grid)} sparsities on "
                   f"{options.rr_images} calibration images, {where} (one capture pass)")
+    n_calib = sum(batch_len(f) for f in inputs.feeds)
     return compute_rr_curves(inputs.model, inputs.layers, inputs.feeds, grid=grid,
                              n_images=options.rr_images, positions=positions, seed=seed,
                              providers=providers, executor=executor,
-                             label="RR curves" if progress else None)
+                             label="RR curves" if progress else None,
+                             output_moments=(options.rr_images >= n_calib
+                                             and needs_dense_moments(methods)))
+
+
+def needs_dense_moments(methods) -> bool:
+    """Whether any of the repair ``methods`` uses the dense layer-output moments (the cr /
+    bn family; ``none`` and the ls repairs do not)."""
+    return any(m != "none" and not m.startswith("ls") for m in methods)
 
 
 def make_pruner(inputs: Inputs, options: PrunerOptions, curves=None, providers=None, *,
@@ -182,11 +195,15 @@ def make_pruner(inputs: Inputs, options: PrunerOptions, curves=None, providers=N
 
     rule = dict(prior=options.rr_prior, gamma=options.rr_gamma, cap=options.rr_cap,
                 force_projection=options.force_projection)
-    return Pruner(inputs.model, inputs.structure, inputs.feeds, keep_dense=options.keep_dense,
-                  rr_curves=curves, options=rule, alpha_cap=options.alpha_cap,
-                  recalibrate=options.recalibrate, providers=providers,
-                  ls=dataclasses.replace(options.ls_settings(), seed=seed),
-                  label="Repair" if progress else None)
+    pruner = Pruner(inputs.model, inputs.structure, inputs.feeds,
+                    keep_dense=options.keep_dense, rr_curves=curves, options=rule,
+                    alpha_cap=options.alpha_cap, recalibrate=options.recalibrate,
+                    providers=providers, ls=dataclasses.replace(options.ls_settings(), seed=seed),
+                    label="Repair" if progress else None)
+    moments = None if curves is None else curves.output_moments
+    if moments and curves.n_images == pruner.n_images:  # the same images: the first n
+        pruner.dense_moments.update(moments)
+    return pruner
 
 
 def open_fan_out(runtime):

@@ -85,7 +85,7 @@ def rr_report(model, *, data, options: RROptions = RROptions(),
     with open_fan_out(runtime) as ex:
         curves = compute_curves(inputs, options.pruner, seed=options.seed, grid=rr_grid,
                                 providers=runtime.providers, progress=runtime.progress,
-                                executor=ex)
+                                executor=ex, methods=SCAN_REPAIRS if band is not None else ())
         section = {"curves": curves.to_dict(), "layers": _layer_rows(curves, inputs.layers),
                    "keep_dense": list(options.pruner.keep_dense), "transition": None}
         if band is not None:

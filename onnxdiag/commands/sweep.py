@@ -80,7 +80,7 @@ def sweep_report(model, *, data, eval_data=None, options: SweepOptions = SweepOp
     with open_fan_out(runtime) as ex:
         curves = None if not needs_rr(rules) else compute_curves(
             inputs, options.pruner, seed=options.seed, providers=runtime.providers,
-            progress=runtime.progress, executor=ex)
+            progress=runtime.progress, executor=ex, methods=methods)
         pruner = make_pruner(inputs, options.pruner, curves, runtime.providers, seed=options.seed,
                              progress=runtime.progress)
         _, dense_eval = pruner.measure(inputs.model, inputs.evaluation)

@@ -43,6 +43,7 @@ from ..runtime.executor import raise_failures
 from ..runtime.pool import THREADS, thread_map
 from ..runtime.progress import progress
 from ..runtime.runner import OrtRunner
+from .fold import output_moments
 from .rr_layer import (  # noqa: F401 - PairMoments, distortions, … re-exported
     GRAM_MAX_ENTRIES,
     GRAM_SPEED,
@@ -90,6 +91,10 @@ class RRCurves:
     eps: float = 1e-12
     positions: int | None = None
     seed: int = 0
+    #: With ``compute_rr_curves(output_moments=True)``: {layer: Moments of its dense
+    #: output over every position of the ``n_images`` images} (the repairs' dense
+    #: moments, from the same capture pass); not part of :meth:`to_dict`.
+    output_moments: dict | None = None
 
     def get_index(self, layer: str) -> int:
         """Row of ``layer``; OnnxDiagError listing the layers otherwise."""
@@ -120,7 +125,8 @@ class RRCurves:
 def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int = 64,
                       eps: float = 1e-12, providers=None, threads: int | None = None,
                       strategy: str = "auto", positions: int | str | None = DEFAULT_POSITIONS,
-                      seed: int = 0, executor=None, label: str | None = None) -> RRCurves:
+                      seed: int = 0, executor=None, label: str | None = None,
+                      output_moments: bool = False) -> RRCurves:
     """RR curves of ``layers`` (prunable :class:`~onnxdiag.graph.Layer` records) (METHODS §C2).
 
     Args:
@@ -136,6 +142,9 @@ def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int
             there (one Ray task per layer, its captured inputs shipped once); None (or an
             in-process one) folds batch by batch in this process. Same result.
         label: progress bars with an ETA (stderr, a terminal) of the capture and layers.
+        output_moments: also fold every non-head layer's dense *output* moments (all
+            positions; ``RRCurves.output_moments``, None unless folded here) in the capture
+            pass: the dense moments the cr / bn repairs need on the same images.
 
     Cost: one ONNX Runtime pass exposing the layers' inputs, then per batch and layer one
     im2col (of the sampled positions only) and either (``strategy``) ``incremental``: the
@@ -153,21 +162,16 @@ def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int
         OnnxDiagError: an unknown strategy, bad positions, no layers; DataError: no
             samples; a failed layer unit: see :func:`~onnxdiag.runtime.executor.raise_failures`.
     """
-    if strategy not in STRATEGIES:
-        raise OnnxDiagError(f"Unknown RR strategy {strategy!r}; choose one of "
-                            f"{', '.join(STRATEGIES)}.")
-    positions = parse_positions(positions)
-    grid = np.asarray(sorted(float(s) for s in grid))
-    layers = list(layers)
-    if not layers:
-        raise OnnxDiagError("No prunable layers to compute RR curves for.")
+    layers, grid, positions = _checked(layers, grid, strategy, positions)
     index = GraphIndex(model)
     here = executor is None or executor.in_process
+    moment_layers = [la for la in layers if not la.is_head] if output_moments and here else []
     with thread_map(len(layers), LAYER_THREADS) as pool:
         plans = pool(lambda la: _plan(index, la, grid, strategy, positions, seed), layers)
-        captured, seen = _capture(model, index, layers, plans, source, n_images, positions,
-                                  fold=pool if here else None, providers=providers,
-                                  threads=threads, label=label)
+        captured, seen, moments = _capture(
+            model, index, layers, plans, source, n_images, positions,
+            fold=pool if here else None, providers=providers, threads=threads, label=label,
+            moment_layers=moment_layers)
         if here:
             folded = pool(finish_layer, plans, label and f"{label}: layers")
     if not here:
@@ -176,7 +180,19 @@ def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int
     d_raw, d_rep = d[..., 0], d[..., 1]
     return RRCurves(tuple(la.node_name for la in layers), grid, d_raw, d_rep,
                     (d_rep + eps) / (d_raw + eps), tuple(p["n"] for p in plans), seen,
-                    tuple(f[1] for f in folded), eps, positions, int(seed))
+                    tuple(f[1] for f in folded), eps, positions, int(seed),
+                    moments if moment_layers else None)
+
+
+def _checked(layers, grid, strategy: str, positions) -> tuple[list, np.ndarray, int | None]:
+    """(layers, sorted grid, positions) of :func:`compute_rr_curves`, or OnnxDiagError."""
+    if strategy not in STRATEGIES:
+        raise OnnxDiagError(f"Unknown RR strategy {strategy!r}; choose one of "
+                            f"{', '.join(STRATEGIES)}.")
+    layers = list(layers)
+    if not layers:
+        raise OnnxDiagError("No prunable layers to compute RR curves for.")
+    return layers, np.asarray(sorted(float(s) for s in grid)), parse_positions(positions)
 
 
 def _plan(index, layer, grid, strategy, positions, seed) -> dict:
@@ -188,16 +204,19 @@ def _plan(index, layer, grid, strategy, positions, seed) -> dict:
     return plan
 
 
-def _capture_session(model, index: GraphIndex, layers, positions, providers, threads):
+def _capture_session(model, index: GraphIndex, layers, positions, providers, threads,
+                     outputs=()):
     """(runner, tensors to fetch, {layer input: its channels-last copy}) of the pass that
-    exposes every layer's dense input. A tensor that only sampled convs read is fetched
-    channels-last alone (its NCHW layout is then a view of that copy: one copy out of
-    ONNX Runtime's blocked layout instead of two)."""
+    exposes every layer's dense input (and the tensors ``outputs``). A tensor that only
+    sampled convs read is fetched channels-last alone (its NCHW layout is then a view of
+    that copy: one copy out of ONNX Runtime's blocked layout instead of two)."""
     inputs = list(dict.fromkeys(la.input for la in layers))
     last_of = {} if positions is None else {
         la.input: len(la.kernel) + 2 for la in layers if la.op_type == "Conv"}
     nchw = {la.input for la in layers if la.input not in last_of}
     exposed = [t for t in inputs if t not in index.inputs and (t in nchw or t not in last_of)]
+    exposed += [t for t in dict.fromkeys(outputs)
+                if t not in exposed and t not in last_of and t not in index.inputs]
     capture = expose_tensors(model, exposed) if exposed else model
     last = {}
     if last_of:  # sampled convs gather C-vectors from a channels-last copy
@@ -208,14 +227,18 @@ def _capture_session(model, index: GraphIndex, layers, positions, providers, thr
 
 
 def _capture(model, index, layers, plans, source, n_images, positions, *, fold,
-             providers, threads, label=None) -> tuple[list[list], int]:
+             providers, threads, label=None, moment_layers=()) -> tuple[list[list], int, dict]:
     """One pass over the first ``n_images`` samples: each batch's layer inputs folded into
     the plans (``fold``: the :func:`~onnxdiag.runtime.pool.thread_map` to fold them with)
-    or, with None, kept per layer for the units. Returns (kept batches per layer, samples seen)."""
-    runner, fetch, last = _capture_session(model, index, layers, positions, providers, threads)
+    or, with None, kept per layer for the units; the outputs of ``moment_layers`` folded
+    into their moments (with ``fold`` only). Returns (kept batches per layer, samples
+    seen, {layer: output Moments})."""
+    runner, fetch, last = _capture_session(model, index, layers, positions, providers, threads,
+                                           [la.output for la in moment_layers])
     # folded here, a batch is done with before the next run: its outputs can reuse buffers
     bound = BoundRunner(runner, fetch) if fold is not None else None
     captured: list[list] = [[] for _ in layers]
+    moments: dict = {}
     seen = 0
     batches = _feed_batches(source)
     if label:  # advances by images, so the bar's ETA holds for any batch size
@@ -234,13 +257,16 @@ def _capture(model, index, layers, plans, source, n_images, positions, *, fold,
         batch = [(outs[la.input], images, outs.get(last.get(la.input))) for la in layers]
         if fold is not None:
             fold(lambda item: fold_layer(*item[0], *item[1]), zip(zip(plans), batch))
+            items = [(la, outs[la.output], moments.get(la.node_name)) for la in moment_layers]
+            done = fold(lambda item: output_moments(item[0], [item[1]], item[2]), items)
+            moments.update((la.node_name, m) for la, m in zip(moment_layers, done))
         else:
             for i, item in enumerate(batch):
                 captured[i].append(item)
         seen += take
     if seen == 0:
         raise DataError("The calibration data is empty; give at least one sample.")
-    return captured, seen
+    return captured, seen, moments
 
 
 def _fold_on(executor, layers, plans, captured, label=None) -> list:
