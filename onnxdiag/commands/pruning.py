@@ -161,6 +161,7 @@ def compute_curves(inputs: Inputs, options: PrunerOptions, *, seed=0, grid=None,
     hands them to the Pruner: one dense pass fewer)."""
     from ..sparsity import DEFAULT_GRID, compute_rr_curves
     from ..sparsity.budget import no_prunable_message
+    from ..sparsity.repair import parse_method
     from ..sparsity.repairability import parse_positions
     from ..sparsity.segments import batch_len
 
@@ -176,14 +177,9 @@ def compute_curves(inputs: Inputs, options: PrunerOptions, *, seed=0, grid=None,
                              n_images=options.rr_images, positions=positions, seed=seed,
                              providers=providers, executor=executor,
                              label="RR curves" if progress else None,
-                             output_moments=(options.rr_images >= n_calib
-                                             and needs_dense_moments(methods)))
-
-
-def needs_dense_moments(methods) -> bool:
-    """Whether any of the repair ``methods`` uses the dense layer-output moments (the cr /
-    bn family; ``none`` and the ls repairs do not)."""
-    return any(m != "none" and not m.startswith("ls") for m in methods)
+                             # the cr / bn family reads them; none and ls never do
+                             output_moments=options.rr_images >= n_calib and any(
+                                 m != "none" and parse_method(m)[0] != "ls" for m in methods))
 
 
 def make_pruner(inputs: Inputs, options: PrunerOptions, curves=None, providers=None, *,

@@ -35,8 +35,8 @@ def shared_cpu_arena() -> bool:
             # max memory 0 (no limit), extend strategy 1 (kSameAsRequested), defaults
             ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, 1, -1, -1))
             _REGISTERED = True
-        except Exception as exc:  # e.g. registered already by the host program
-            _REGISTERED = "already registered" in str(exc).lower()
+        except Exception:  # an ONNX Runtime without it: sessions keep their own arenas
+            _REGISTERED = False
     return _REGISTERED
 
 

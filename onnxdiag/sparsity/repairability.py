@@ -189,10 +189,11 @@ def _checked(layers, grid, strategy: str, positions) -> tuple[list, np.ndarray, 
     if strategy not in STRATEGIES:
         raise OnnxDiagError(f"Unknown RR strategy {strategy!r}; choose one of "
                             f"{', '.join(STRATEGIES)}.")
+    positions = parse_positions(positions)
     layers = list(layers)
     if not layers:
         raise OnnxDiagError("No prunable layers to compute RR curves for.")
-    return layers, np.asarray(sorted(float(s) for s in grid)), parse_positions(positions)
+    return layers, np.asarray(sorted(float(s) for s in grid)), positions
 
 
 def _plan(index, layer, grid, strategy, positions, seed) -> dict:
