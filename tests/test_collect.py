@@ -134,15 +134,18 @@ def _assert_within_float32_bound(mean, cov, ref):
     assert np.all(np.abs(cov - ref_cov) <= 1.3e-4 * np.outer(sd, sd) + 1e-12)
 
 
-@pytest.mark.parametrize("block", [7, 1024])
-def test_float32_block_gram_within_its_error_bound_vs_float64(block):
-    """blocked_gram (float32 syrk per block of rows, merged in float64) vs the float64 Gram
-    of the same centred values: every entry within gram_error_bound, and the bound is a
-    relative error ≤ 6.2e-5 of √(G_ii G_jj) (here the error itself is far below it)."""
+@pytest.mark.parametrize("block,width", [(7, 40), (1024, 40), (1024, 600)])
+def test_float32_block_gram_within_its_error_bound_vs_float64(block, width):
+    """blocked_gram (float32 products per block of rows, merged in float64; from 513
+    columns the upper triangle in strips, mirrored) vs the float64 Gram of the same
+    centred values: every entry within gram_error_bound, and the bound is a relative error
+    ≤ 6.2e-5 of √(G_ii G_jj) (here the error itself is far below it); added to ``out`` in
+    place when given."""
     from onnxdiag.channels.moments import blocked_gram, gram_error_bound
 
     rng = np.random.default_rng(4)
-    x = (rng.normal(size=(4096, 40)) * rng.uniform(0.01, 100, 40) + 30).astype(np.float32)
+    x = (rng.normal(size=(4096, width)) * rng.uniform(0.01, 100, width) + 30).astype(
+        np.float32)
     x[:, 3] = x[:, 2] * 1.5 + 0.001 * x[:, 5]  # nearly collinear columns
     centre32 = x.mean(axis=0, dtype=np.float64).astype(np.float32)
     exact = x.astype(np.float64) - centre32  # float32 − float32 is exact in float64
@@ -152,9 +155,57 @@ def test_float32_block_gram_within_its_error_bound_vs_float64(block):
     got = blocked_gram(z, block)
     bound = gram_error_bound(np.abs(exact).T @ np.abs(exact), block)
     assert np.all(np.abs(got - ref) <= bound)
+    np.testing.assert_array_equal(got, got.T)  # the mirrored strips: exactly symmetric
+    base = rng.normal(size=(width, width))
+    added = blocked_gram(z, block, out=base.copy())
+    np.testing.assert_allclose(added - base, got, rtol=0, atol=1e-9 * np.abs(got).max())
     scale = np.sqrt(np.outer(np.diag(ref), np.diag(ref)))
     assert (bound / scale).max() <= (6.2e-5 if block == 1024 else 1e-6)
     assert (np.abs(got - ref) / scale).max() < 1e-5  # and the error is far smaller
+
+
+def test_gram_moments_equal_update_sums_and_settle_before_every_read(monkeypatch):
+    """GramMoments.fold_sums (the batch's Gram added in place, its rank-one terms kept
+    aside) gives the moments of Moments.update_sums on the same batches to float64
+    rounding, whether the terms are added when PENDING fill up or at a read; merge,
+    select and a plain update after it see every batch."""
+    from onnxdiag.channels.moments import GramMoments
+    from onnxdiag.stats import Moments
+
+    monkeypatch.setattr(GramMoments, "PENDING", 4)  # settles twice within the batches
+    rng = np.random.default_rng(9)
+    d = 6
+    batches = [rng.normal(size=(int(m), d)) * [1, 10, 0.1, 3, 1, 1] + 50
+               for m in rng.integers(1, 30, size=9)]
+
+    def fold(acc, parts):
+        for x in parts:
+            centre = x.mean(axis=0) + 0.01  # any centre: sums and Gram around it
+            z = x - centre
+            if isinstance(acc, GramMoments):
+                acc.fold_sums(len(x), centre, z.sum(axis=0))[...] += z.T @ z
+            else:
+                acc.update_sums(len(x), centre, z.sum(axis=0), z.T @ z)
+        return acc
+
+    ref, got = fold(Moments(d), batches), fold(GramMoments(d), batches)
+    allx = np.concatenate(batches)
+    assert got.n == len(allx)
+    np.testing.assert_allclose(got.cov(), ref.cov(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got.cov(), np.cov(allx, rowvar=False), rtol=1e-10)
+    np.testing.assert_allclose(got.mean, allx.mean(axis=0), rtol=1e-13)
+    # reads that do not go through cov(): merge (both sides pending), select, update
+    a, b = fold(GramMoments(d), batches[:4]), fold(GramMoments(d), batches[4:])
+    np.testing.assert_allclose(a.merge(b).cov(), ref.cov(), rtol=1e-12, atol=1e-12)
+    plain = Moments(d).merge(fold(GramMoments(d), batches[:5]).settle())
+    np.testing.assert_allclose(plain.merge(fold(Moments(d), batches[5:])).cov(), ref.cov(),
+                               rtol=1e-12, atol=1e-12)
+    part = fold(GramMoments(d), batches).select([4, 1])
+    np.testing.assert_allclose(part.cov(), ref.cov()[np.ix_([4, 1], [4, 1])], rtol=1e-12)
+    extra = rng.normal(size=(5, d))
+    both = fold(GramMoments(d), batches).update(extra)
+    np.testing.assert_allclose(both.cov(), np.cov(np.concatenate([allx, extra]),
+                                                  rowvar=False), rtol=1e-10)
 
 
 @pytest.mark.parametrize("cuts", [[], [1, 2, 3, 4, 5, 6], [7, 19]])

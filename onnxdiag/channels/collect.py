@@ -146,6 +146,8 @@ def collect_channel_moments(model, structure, source, settings: StatsSettings | 
                             "structure, layers, tap=…) with this pass's settings.")
     folder = BatchFolder(chosen, taps, names, structure.head, settings, targets)
     n_images = _fold_stream(runner.stream(source, fetch, label=label), folder.fold, overlap)
+    for acc in folder.acc.values():  # no deferred term leaves the pass
+        acc.settle()
     return ChannelStats(layers=folder.acc, targets=targets, task_samples=settings.task_samples,
                         n_positions=settings.n_positions, seed=settings.seed,
                         n_images=n_images, data=source.describe(), taps=tap_names(taps),
