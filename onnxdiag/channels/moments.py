@@ -307,8 +307,9 @@ def _fold_rows(moments: Moments, samples: np.ndarray, targets: np.ndarray | None
     :func:`gram_error_bound`, tested), added in place to the float64 accumulator that
     :meth:`GramMoments.fold_sums` returns. Everything else is float64 and small: the
     per-image sums of z over its k positions (float32 sums of k terms, n × C; their total
-    is the sums around the centre), their products with the per-image targets (the C × 2 cross block) and the
-    targets' own block (the target and its permutation control stay float64-exact).
+    is the sums around the centre), their products with the per-image targets (the C × 2
+    cross block) and the targets' own block (the target and its permutation control stay
+    float64-exact).
     """
     rows, c = samples.shape
     if rows == 0:
