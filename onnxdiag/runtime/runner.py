@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from google.protobuf.message import EncodeError
 
 from ..errors import DataError, MissingExtraError, ModelLoadError, OnnxDiagError
 from .batching import (
@@ -144,9 +145,10 @@ class OrtRunner:
             return os.fspath(model)
         if isinstance(model, (bytes, bytearray)):
             return bytes(model)
-        if model.ByteSize() < 2**31 - 2**20:
+        try:  # one encoding (ByteSize encodes the whole model too)
             return model.SerializeToString()
-        # Over protobuf's limit: ORT needs a file with external data.
+        except (EncodeError, ValueError):  # over protobuf's 2 GiB: a file with external data
+            pass
         from ..model.io import save_model
 
         self._tmp = tempfile.TemporaryDirectory(prefix="onnxdiag-")
