@@ -55,6 +55,8 @@ class GramMoments(Moments):
         ``centre`` before the next call (a full accumulator only)."""
         if not self.full:
             raise ValueError("fold_sums needs GramMoments(..., full=True)")
+        if n_b <= 0:  # an empty batch adds nothing (its Gram is zero)
+            return self._m2
         centre = np.asarray(centre, dtype=np.float64)
         sums = np.asarray(sums, dtype=np.float64)
         if self.n == 0:
