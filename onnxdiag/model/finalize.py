@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from google.protobuf.message import EncodeError
 
 from ..report import to_json
 from .io import PROTOBUF_LIMIT, check_output_path, model_hash, save_model
@@ -33,10 +34,14 @@ def finalize_model(model: onnx.ModelProto) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     del out.graph.value_info[:]
-    if out.ByteSize() >= PROTOBUF_LIMIT:
+    try:  # one encoding, for the size test and shape inference (ByteSize encodes too)
+        data = out.SerializeToString()
+    except (EncodeError, ValueError):  # over protobuf's 2 GiB
+        return out
+    if len(data) >= PROTOBUF_LIMIT:
         return out
     try:
-        out = onnx.shape_inference.infer_shapes(out, check_type=True, strict_mode=True,
+        out = onnx.shape_inference.infer_shapes(data, check_type=True, strict_mode=True,
                                                 data_prop=True)
         onnx.checker.check_model(out, full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
