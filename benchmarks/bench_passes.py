@@ -16,6 +16,9 @@ round-robin in one process (so load from other processes hits each alike), the m
             session setting); on a loaded machine spinning threads can make plain slower
   channels  the channel-statistics pass (every analysed layer, default taps, a reused
             session, as in ``onnxdiag channels`` after session creation)
+  stats_session  the channel-statistics pass's ONNX Runtime part alone: its session
+            (every analysed layer's tensor exposed, channels-last; its thread count) run
+            over the images, no fold
   readouts  the readout pass (head features + logits, every readout)
   dense     plain ORT inference over the first --calib images (the baseline of rr, prune,
             sweep: "one dense pass over the calibration set"; dense_nospin likewise)
@@ -63,9 +66,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import ROOT, check, load_fashion_mnist_test  # noqa: E402
 
-PASSES = ("plain", "plain_nospin", "channels", "readouts", "dense", "segments", "rr", "prune",
-          "sweep")
-BASELINE = {"channels": "plain", "readouts": "plain", "plain_nospin": "plain", "rr": "dense",
+PASSES = ("plain", "plain_nospin", "channels", "stats_session", "readouts", "dense", "segments",
+          "rr", "prune", "sweep")
+BASELINE = {"channels": "plain", "stats_session": "plain", "readouts": "plain", "plain_nospin": "plain", "rr": "dense",
             "prune": "dense", "sweep": "dense", "dense_nospin": "dense", "segments": "dense"}
 
 
@@ -116,10 +119,11 @@ def make_passes(model_path: str, x, y, calib: int, batch_size: int, wanted,
     fns["plain"] = lambda: run_all(plain, source)
     quiet = StatsRunner(model)
     fns["plain_nospin"] = lambda: run_all(quiet, source)
-    if "channels" in wanted:
+    if {"channels", "stats_session"} & set(wanted):
         stats_runner = make_stats_runner(model, structure)
         fns["channels"] = lambda: collect_channel_moments(model, structure, source,
                                                           runner=stats_runner)
+        fns["stats_session"] = lambda: run_all(stats_runner, source)
     if "readouts" in wanted:
         head_runner = make_head_runner(model, structure.head)
         fns["readouts"] = lambda: probe_model(model, structure, source, runner=head_runner)

@@ -35,7 +35,8 @@ SMOKES = {
     "bench_channel_alignment.py": (None, ["| width |", "| ratio | --round-to |"]),
     "bench_reconstruct_channels.py": (None, ["| calibration images |", "| none | bn | recon |",
                                              "magnitude none | magnitude recon"]),
-    "bench_passes.py": (None, ["x baseline", "plain_nospin", "segments", "prune", "peak RSS"]),
+    "bench_passes.py": (None, ["x baseline", "plain_nospin", "stats_session", "segments", "prune",
+                           "peak RSS"]),
     # the training environment of .ci/run runs it (-k finetune); the main one skips it
     "bench_finetune_sparse.py": ("onnxruntime.training",
                                  ["| model | S | dense | none | ls | finetune | ls+finetune |"]),
