@@ -69,7 +69,8 @@ from benchmarks.common import ROOT, check, load_fashion_mnist_test  # noqa: E402
 PASSES = ("plain", "plain_nospin", "channels", "stats_session", "readouts", "dense", "segments",
           "rr", "prune", "sweep")
 BASELINE = {"channels": "plain", "stats_session": "plain", "readouts": "plain",
-            "plain_nospin": "plain", "rr": "dense", "prune": "dense", "sweep": "dense", "dense_nospin": "dense", "segments": "dense"}
+            "plain_nospin": "plain", "rr": "dense", "prune": "dense", "sweep": "dense",
+            "dense_nospin": "dense", "segments": "dense"}
 
 
 def load_images(data: str | None, n: int) -> tuple[np.ndarray, np.ndarray | None]:
