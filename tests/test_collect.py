@@ -214,8 +214,7 @@ def test_fast_fold_equals_moments_on_concatenated_rows(cuts):
     each batch's mean) equals Moments.update on the explicitly gathered float64 rows of the
     NCHW tensor with T repeated per position, within the float32-product bound, for any
     split; the targets' own moments (float64 block) to 1e-12."""
-    from onnxdiag.channels.moments import LayerMoments, _fold
-    from onnxdiag.stats import Moments
+    from onnxdiag.channels.moments import GramMoments, LayerMoments, _fold
 
     rng = np.random.default_rng(9)
     n, c = 23, 5
@@ -223,7 +222,7 @@ def test_fast_fold_equals_moments_on_concatenated_rows(cuts):
     last = np.ascontiguousarray(np.moveaxis(x, 1, -1))  # what the stats session returns
     t, t_null = rng.normal(size=n), rng.normal(size=n)
     idx = np.arange(n) + 1000
-    acc = LayerMoments("l", c, Moments(c + 2))
+    acc = LayerMoments("l", c, GramMoments(c + 2))
     buffers: dict = {}
     for part in np.split(np.arange(n), cuts):
         _fold(acc, last[part], t[part], t_null[part], idx[part], {}, 16, 3, "match", buffers)
@@ -234,7 +233,7 @@ def test_fast_fold_equals_moments_on_concatenated_rows(cuts):
     _assert_within_float32_bound(acc.task.mean, acc.task.cov(), ref)
     np.testing.assert_allclose(acc.task.cov()[c:, c:], np.cov(ref, rowvar=False)[c:, c:],
                                rtol=1e-12)
-    gap = LayerMoments("l", c, Moments(c + 2), Moments(c))  # gap: local from the samples
+    gap = LayerMoments("l", c, GramMoments(c + 2), GramMoments(c))  # gap: local from the samples
     for part in np.split(np.arange(n), cuts):
         _fold(gap, last[part], t[part], t_null[part], idx[part], {}, 16, 3, "gap", {})
     mean, cov = gap.local_moments()

@@ -138,3 +138,19 @@ def test_save_to_unwritable_folder(tmp_path):
         target = locked / "m.onnx"
     with pytest.raises(OutputError):
         model_io.save_model(model_io.load_model(_gemm_model()), target)
+
+
+def test_a_session_over_the_protobuf_limit_runs_from_an_external_data_file(monkeypatch):
+    """serialized() gives the model's bytes below PROTOBUF_LIMIT and None at it or above;
+    an OrtRunner then loads the model from a file with external data: same outputs (the
+    limit is lowered to this model's size to take that path without a 2 GiB model)."""
+    model = _gemm_model()
+    data = model_io.serialized(model)
+    assert data == model.SerializeToString()
+    x = {"x": np.random.default_rng(1).normal(size=(5, 4)).astype(np.float32)}
+    ref = OrtRunner(model).run(x)["p"]
+    monkeypatch.setattr(model_io, "PROTOBUF_LIMIT", len(data))
+    assert model_io.serialized(model) is None
+    runner = OrtRunner(model)
+    assert runner._tmp is not None  # the external-data file path was taken
+    np.testing.assert_array_equal(runner.run(x)["p"], ref)

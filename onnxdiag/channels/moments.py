@@ -296,7 +296,7 @@ def blocked_gram(z32: np.ndarray, block: int = GRAM_BLOCK, *, out: np.ndarray | 
     return gram
 
 
-def _fold_rows(moments: Moments, samples: np.ndarray, targets: np.ndarray | None, k: int,
+def _fold_rows(moments: GramMoments, samples: np.ndarray, targets: np.ndarray | None, k: int,
                buffers: dict) -> None:
     """``moments`` of the columns [samples, targets repeated k times per image].
 
@@ -316,7 +316,6 @@ def _fold_rows(moments: Moments, samples: np.ndarray, targets: np.ndarray | None
     rows, c = samples.shape
     if rows == 0:
         return
-    n_t = 0 if targets is None else targets.shape[1]
     # the batch's own mean (see the docstring), by one BLAS product
     centre = np.ones(rows, samples.dtype) @ samples / rows
     if targets is not None:
@@ -335,14 +334,10 @@ def _fold_rows(moments: Moments, samples: np.ndarray, targets: np.ndarray | None
     if targets is not None:
         t = np.asarray(targets, np.float64) - centre32[c:]
         sums = np.concatenate([sums, k * t.sum(axis=0)])
-    centre = centre32.astype(np.float64)
-    lazy = isinstance(moments, GramMoments) and moments.full
-    m2 = moments.fold_sums(rows, centre, sums) if lazy else np.zeros((c + n_t,) * 2)
+    m2 = moments.fold_sums(rows, centre32.astype(np.float64), sums)
     blocked_gram(z, out=m2[:c, :c], work=work)
     if targets is not None:
         cross = per_image.T @ t  # Σ z T over the rows: T is constant over an image's rows
         m2[:c, c:] += cross
         m2[c:, :c] += cross.T
         m2[c:, c:] += k * (t.T @ t)
-    if not lazy:
-        moments.update_sums(rows, centre, sums, m2)

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from google.protobuf.message import EncodeError
 
 from ..report import to_json
-from .io import PROTOBUF_LIMIT, check_output_path, model_hash, save_model
+from .io import PROTOBUF_LIMIT, check_output_path, model_hash, save_model, serialized
 
 
 class EditError(RuntimeError):
@@ -34,11 +33,8 @@ def finalize_model(model: onnx.ModelProto) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     del out.graph.value_info[:]
-    try:  # one encoding, for the size test and shape inference (ByteSize encodes too)
-        data = out.SerializeToString()
-    except (EncodeError, ValueError):  # over protobuf's 2 GiB
-        return out
-    if len(data) >= PROTOBUF_LIMIT:
+    data = serialized(out)  # one encoding, for the size test and shape inference
+    if data is None:
         return out
     try:
         out = onnx.shape_inference.infer_shapes(data, check_type=True, strict_mode=True,

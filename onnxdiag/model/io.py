@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, EncodeError
 
 from ..errors import ModelLoadError, OutputError
 
@@ -28,6 +28,17 @@ from ..errors import ModelLoadError, OutputError
 PROTOBUF_LIMIT = 2**31 - 2**20
 
 ModelSource = "str | os.PathLike | bytes | onnx.ModelProto"
+
+
+def serialized(model: onnx.ModelProto) -> bytes | None:
+    """``model``'s bytes, or None at ``PROTOBUF_LIMIT`` or more: one encoding (upb's
+    ``ByteSize()`` encodes the whole model too, so a size test before serialising
+    doubles the cost: 0.16 s on a 100 MB model)."""
+    try:
+        data = model.SerializeToString()
+    except (EncodeError, ValueError):  # protobuf refuses 2 GiB and more
+        return None
+    return data if len(data) < PROTOBUF_LIMIT else None
 
 
 def load_model(source, *, infer_shapes: bool = True, check: bool = True) -> onnx.ModelProto:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from google.protobuf.message import EncodeError
 
 from ..errors import DataError, MissingExtraError, ModelLoadError, OnnxDiagError
 from .batching import (
@@ -145,12 +144,12 @@ class OrtRunner:
             return os.fspath(model)
         if isinstance(model, (bytes, bytearray)):
             return bytes(model)
-        try:  # one encoding (ByteSize encodes the whole model too)
-            return model.SerializeToString()
-        except (EncodeError, ValueError):  # over protobuf's 2 GiB: a file with external data
-            pass
-        from ..model.io import save_model
+        from ..model.io import save_model, serialized
 
+        data = serialized(model)
+        if data is not None:
+            return data
+        # Over protobuf's limit: ORT needs a file with external data.
         self._tmp = tempfile.TemporaryDirectory(prefix="onnxdiag-")
         path = Path(self._tmp.name) / "model.onnx"
         save_model(model, path, external_data=True)
