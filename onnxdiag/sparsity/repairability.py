@@ -34,16 +34,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import DataError, OnnxDiagError
+from ..errors import OnnxDiagError
 from ..graph import GraphIndex
-from ..model.expose import expose_channels_last, expose_tensors
 from ..report.json import to_jsonable as jsonable
-from ..runtime.bound import BoundRunner
 from ..runtime.executor import raise_failures
 from ..runtime.pool import THREADS, thread_map
-from ..runtime.progress import progress
-from ..runtime.runner import OrtRunner
-from .fold import output_moments
+from .rr_capture import capture
 from .rr_layer import (  # noqa: F401 - PairMoments, distortions, … re-exported
     GRAM_MAX_ENTRIES,
     GRAM_SPEED,
@@ -168,8 +164,8 @@ def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int
     moment_layers = [la for la in layers if not la.is_head] if output_moments and here else []
     with thread_map(len(layers), LAYER_THREADS) as pool:
         plans = pool(lambda la: _plan(index, la, grid, strategy, positions, seed), layers)
-        captured, seen, moments = _capture(
-            model, index, layers, plans, source, n_images, positions,
+        captured, seen, moments = capture(
+            model, index, layers, plans, source, n_images, positions, seed,
             fold=pool if here else None, providers=providers, threads=threads, label=label,
             moment_layers=moment_layers)
         if here:
@@ -203,71 +199,6 @@ def _plan(index, layer, grid, strategy, positions, seed) -> dict:
     if plan["mode"] == "gram" and positions is not None:
         plan["gram_dtype"] = np.float32
     return plan
-
-
-def _capture_session(model, index: GraphIndex, layers, positions, providers, threads,
-                     outputs=()):
-    """(runner, tensors to fetch, {layer input: its channels-last copy}) of the pass that
-    exposes every layer's dense input (and the tensors ``outputs``). A tensor that only
-    sampled convs read is fetched channels-last alone (its NCHW layout is then a view of
-    that copy: one copy out of ONNX Runtime's blocked layout instead of two)."""
-    inputs = list(dict.fromkeys(la.input for la in layers))
-    last_of = {} if positions is None else {
-        la.input: len(la.kernel) + 2 for la in layers if la.op_type == "Conv"}
-    nchw = {la.input for la in layers if la.input not in last_of}
-    exposed = [t for t in inputs if t not in index.inputs and (t in nchw or t not in last_of)]
-    exposed += [t for t in dict.fromkeys(outputs)
-                if t not in exposed and t not in last_of and t not in index.inputs]
-    capture = expose_tensors(model, exposed) if exposed else model
-    last = {}
-    if last_of:  # sampled convs gather C-vectors from a channels-last copy
-        capture, last = expose_channels_last(capture, last_of, tag="rr_channels_last")
-    # threads sleep between batches: each batch's folding (NumPy, BLAS) needs the cores
-    runner = OrtRunner(capture, providers=providers, threads=threads, spinning=False)
-    return runner, exposed + list(last.values()), last
-
-
-def _capture(model, index, layers, plans, source, n_images, positions, *, fold,
-             providers, threads, label=None, moment_layers=()) -> tuple[list[list], int, dict]:
-    """One pass over the first ``n_images`` samples: each batch's layer inputs folded into
-    the plans (``fold``: the :func:`~onnxdiag.runtime.pool.thread_map` to fold them with)
-    or, with None, kept per layer for the units; the outputs of ``moment_layers`` folded
-    into their moments (with ``fold`` only). Returns (kept batches per layer, samples
-    seen, {layer: output Moments})."""
-    runner, fetch, last = _capture_session(model, index, layers, positions, providers, threads,
-                                           [la.output for la in moment_layers])
-    # folded here, a batch is done with before the next run: its outputs can reuse buffers
-    bound = BoundRunner(runner, fetch) if fold is not None else None
-    captured: list[list] = [[] for _ in layers]
-    moments: dict = {}
-    seen = 0
-    batches = _feed_batches(source)
-    if label:  # advances by images, so the bar's ETA holds for any batch size
-        batches = progress(batches, n_images, f"{label}: capture",
-                           step=lambda f: min(_batch_len(f), n_images))
-    for feeds in batches:
-        take = min(n_images - seen, _batch_len(feeds))
-        if take <= 0:
-            break
-        feeds = {k: v[:take] for k, v in feeds.items()}
-        outs = (bound.run(feeds) if bound else runner.run(feeds, fetch)) if fetch else {}
-        outs.update(feeds)
-        images = np.arange(seen, seen + take)
-        for t, copy in last.items():  # NCHW views of the channels-last copies
-            outs.setdefault(t, np.moveaxis(outs[copy], -1, 1))
-        batch = [(outs[la.input], images, outs.get(last.get(la.input))) for la in layers]
-        if fold is not None:
-            fold(lambda item: fold_layer(*item[0], *item[1]), zip(zip(plans), batch))
-            items = [(la, outs[la.output], moments.get(la.node_name)) for la in moment_layers]
-            done = fold(lambda item: output_moments(item[0], [item[1]], item[2]), items)
-            moments.update((la.node_name, m) for la, m in zip(moment_layers, done))
-        else:
-            for i, item in enumerate(batch):
-                captured[i].append(item)
-        seen += take
-    if seen == 0:
-        raise DataError("The calibration data is empty; give at least one sample.")
-    return captured, seen, moments
 
 
 def _fold_on(executor, layers, plans, captured, label=None) -> list:
@@ -304,15 +235,3 @@ def positive_int(value, message: str) -> int:
     if number < 1 or (isinstance(value, float) and value != number):
         raise OnnxDiagError(message)
     return number
-
-
-def _feed_batches(source):
-    if hasattr(source, "batches"):
-        for batch in source.batches():
-            yield batch.feeds
-    else:
-        yield from source
-
-
-def _batch_len(feeds: dict) -> int:
-    return int(next(iter(feeds.values())).shape[0])

@@ -24,8 +24,11 @@ class PairMoments:
     """Streaming per-channel moments of a pair (a, b), each ``(n_samples, n_channels)``.
 
     Keeps n, means and centred sums Σaa, Σbb, Σab (Chan et al. pairwise update, float64),
-    so the result does not depend on the batch split.
+    so the result does not depend on the batch split. ``s_pp``: the centred sums of
+    p = a − b when known directly (the ``gram`` finish); None: Σaa − 2Σab + Σbb.
     """
+
+    s_pp: np.ndarray | None = None
 
     def __init__(self, n_channels: int):
         self.n = 0
@@ -77,7 +80,7 @@ def distortions(acc: PairMoments) -> tuple[float, float]:
     var_d, var_r, cov_dr = acc.s_aa / n, acc.s_bb / n, acc.s_ab / n
     total = float(var_d.sum())
     raw = float((var_r + acc.mean_b ** 2).sum())
-    var_p = np.maximum(var_d - 2 * cov_dr + var_r, 0.0)
+    var_p = np.maximum(var_d - 2 * cov_dr + var_r if acc.s_pp is None else acc.s_pp / n, 0.0)
     cov_dp = var_d - cov_dr
     alive = var_p > 1e-12 * var_d  # σ^p < 1e-6 σ^d: collapsed (rounding noise otherwise)
     ratio = np.sqrt(var_d) / np.sqrt(np.where(alive, var_p, 1.0))
@@ -96,17 +99,14 @@ def finish_layer(plan: dict) -> tuple[list, int]:
 
 
 def layer_unit(item) -> tuple[list, int]:
-    """One layer as a unit of work: fold its captured batches, then finish it."""
+    """One layer as a unit of work: fold its captured batches of columns (those of
+    :func:`layer_columns_of`), then finish it."""
     import copy
 
     plan, batches = item
     plan = copy.deepcopy(plan)  # writable accumulators (Ray's arguments are read-only views)
-
-    def writable(a):
-        return a if a is None or a.flags.writeable else np.array(a)
-
-    for x, images, x_last in batches:
-        fold_layer(plan, writable(x), images, writable(x_last))
+    for cols in batches:
+        fold_columns(plan, cols if cols.flags.writeable else np.array(cols), own=True)
     return finish_layer(plan)
 
 
@@ -240,10 +240,11 @@ def _fold_gram(plan: dict, cols: np.ndarray, own: bool = False) -> None:
 def _finish_gram(plan: dict) -> None:
     """Fill each level's PairMoments from the column covariance Σ and mean μ (METHODS §C2 moments
     of a = y^d = Wx and b = y^d − y^p = W_r x are quadratic forms: Var a = wᵀΣw, …), no pass
-    over samples. One group: R_l Σ grown level by level from the sparse steps (R_l = R_{l−1}
-    + Δ_l, so R_l Σ = R_{l−1} Σ + Δ_l Σ: the removed weights times K in all, not
-    levels·C·K²), then per level Var b = rowsum(R_l ⊙ R_l Σ), Cov(a, b) = rowsum(W ⊙ R_l Σ);
-    grouped convs: one batched (C, K) × (K, K) product per level and group."""
+    over samples. One group: Cov(a, b) = rowsum(R_l ⊙ WΣ) summed level by level over the
+    removed weights, and R_l Σ grown from the sparse steps (R_l = R_{l−1} + Δ_l, so
+    R_l Σ = R_{l−1} Σ + Δ_l Σ: the removed weights times K in all, not levels·C·K²), then
+    Var b = rowsum(R_l ⊙ R_l Σ); grouped convs: one batched (C, K) × (K, K) product per level
+    and group."""
     n = plan["count"]
     g = plan["groups"]
     centred = plan["sums"] / n
@@ -252,38 +253,56 @@ def _finish_gram(plan: dict) -> None:
     w = plan["dense_rows"]
     c, k = w.shape
     wg = w.reshape(g, c // g, k)
-    var_d = np.einsum("gok,gok->go", wg, wg @ cov).ravel()
+    w_cov = wg @ cov  # (g, C/g, K): WΣ per group
+    var_d = np.einsum("gok,gok->go", wg, w_cov).ravel()
     mean_a = np.einsum("gok,gk->go", wg, mean).ravel()
     if g == 1:
-        levels = _levels_from_steps(plan["steps"], w, cov[0], mean[0])
+        levels = _levels_from_steps(plan["steps"], w, w_cov[0], cov[0], mean[0])
     else:
         rem = plan["removed_rows"].reshape(-1, g, c // g, k)
         srem = rem @ cov  # (levels, g, C/g, K)
         levels = zip(np.einsum("lgok,lgok->lgo", rem, srem).reshape(len(rem), c),
                      np.einsum("gok,lgok->lgo", wg, srem).reshape(len(rem), c),
-                     np.einsum("lgok,gk->lgo", rem, mean).reshape(len(rem), c))
-    for acc, (s_bb, s_ab, mean_b) in zip(plan["acc"], levels):
+                     np.einsum("lgok,gk->lgo", rem, mean).reshape(len(rem), c),
+                     [None] * len(rem))
+    for acc, (s_bb, s_ab, mean_b, s_pp) in zip(plan["acc"], levels):
         acc.n = n
         acc.s_aa = n * var_d
         acc.s_bb = n * s_bb
         acc.s_ab = n * s_ab
+        acc.s_pp = None if s_pp is None else n * s_pp
         acc.mean_a = mean_a.copy()
         acc.mean_b = mean_b
 
 
-def _levels_from_steps(steps, w, cov, mean):
-    """Per level (Var b, Cov(a, b), mean b) of one group, R_l Σ grown from the steps."""
-    removed = np.zeros_like(w)
-    r_cov = np.zeros_like(w)  # R_l Σ
-    mean_b = np.zeros(w.shape[0])
+def _levels_from_steps(steps, w, w_cov, cov, mean, dtype=np.float64):
+    """Per level (Var b, Cov(a, b), mean b, Var p) of one group: Cov(a, b) and mean b summed
+    over each step's removed weights (float64), R_l Σ grown from the steps' products Δ_l Σ
+    in ``dtype`` (each added into a float64 accumulator), Var b = rowsum(R_l ⊙ R_l Σ).
+    Var p = Cov(a, p) − rowsum(K_l ⊙ R_l Σ) with the kept weights K_l = W − R_l, and 0 for
+    a channel with every weight removed (Var a − 2 Cov(a, b) + Var b would leave the
+    products' rounding there, which METHODS §C2's collapse test would read as a live
+    channel). ``w_cov``: WΣ (C, K)."""
+    c = w_cov.shape[0]
+    var_d = np.einsum("ck,ck->c", w, w_cov)
+    removed = np.zeros_like(w_cov)
+    kept = np.array(w, dtype=np.float64)
+    n_kept = np.full(c, w.shape[1])
+    r_cov = np.zeros_like(w_cov)  # R_l Σ
+    cov_x = np.asarray(cov, dtype)
+    s_ab = np.zeros(c)
+    mean_b = np.zeros(c)
     for step in steps:
         if step is not None:
-            r_cov += step @ cov  # sparse × dense: nnz(Δ_l)·K
+            r_cov += step.astype(dtype, copy=False) @ cov_x  # sparse × dense: nnz(Δ_l)·K
             coo = step.tocoo()
-            removed[coo.row, coo.col] += coo.data
+            removed[coo.row, coo.col] = coo.data
+            kept[coo.row, coo.col] = 0.0
+            n_kept -= np.bincount(coo.row, minlength=c)
+            s_ab = s_ab + np.bincount(coo.row, coo.data * w_cov[coo.row, coo.col], minlength=c)
             mean_b = mean_b + step @ mean
-        yield (np.einsum("ck,ck->c", removed, r_cov), np.einsum("ck,ck->c", w, r_cov),
-               mean_b.copy())
+        var_p = np.where(n_kept > 0, var_d - s_ab - np.einsum("ck,ck->c", kept, r_cov), 0.0)
+        yield np.einsum("ck,ck->c", removed, r_cov), s_ab.copy(), mean_b.copy(), var_p
 
 
 def _flat_coordinates(op, shape) -> tuple:
@@ -304,19 +323,33 @@ def _flat_coordinates(op, shape) -> tuple:
     return out, cols, op.groups * per, None
 
 
-def fold_layer(plan: dict, x: np.ndarray, images: np.ndarray,
-                x_last: np.ndarray | None = None) -> None:
-    """One batch (``images``: the batch's global image indices, for the position draw):
-    the (sampled) columns, then the ``gram`` moments, or y^d once and y^d − y^p (the removed
-    weights' output) grown step by step over the grid, so all s together cost about one
-    more dense evaluation."""
-    cols = sampled_columns(plan["op"], x, plan["kernel"], plan["positions"],
+def layer_columns_of(plan: dict, x: np.ndarray, images: np.ndarray,
+                     x_last: np.ndarray | None = None) -> np.ndarray:
+    """The (sampled) columns (m, groups, K) of a batch of the layer's input ``x``
+    (``images``: the batch's global image indices, for the position draw; ``x_last``: the
+    input channels-last, if at hand): :func:`~onnxdiag.sparsity.offline.sampled_columns`."""
+    return sampled_columns(plan["op"], x, plan["kernel"], plan["positions"],
                            seed=plan["seed"], sample_indices=images, x_last=x_last)
+
+
+def fold_layer(plan: dict, x: np.ndarray, images: np.ndarray,
+               x_last: np.ndarray | None = None) -> None:
+    """One batch of the layer's input: its columns (:func:`layer_columns_of`), folded
+    (:func:`fold_columns`)."""
+    cols = layer_columns_of(plan, x, images, x_last)
+    # Shift in place only a scratch array: never a (read-only) view of the captured
+    # inputs, which other layers reading the same tensor still need.
+    own = (cols.flags.writeable and not np.may_share_memory(cols, x)
+           and (x_last is None or not np.may_share_memory(cols, x_last)))
+    fold_columns(plan, cols, own=own)
+
+
+def fold_columns(plan: dict, cols: np.ndarray, own: bool = False) -> None:
+    """One batch of columns (m, groups, K): the ``gram`` moments, or y^d once and y^d − y^p
+    (the removed weights' output) grown step by step over the grid, so all s together cost
+    about one more dense evaluation. ``own``: ``cols`` is a scratch array that may be
+    changed in place."""
     if plan["mode"] == "gram":
-        # Shift in place only a scratch array: never a (read-only) view of the captured
-        # inputs, which other layers reading the same tensor still need.
-        own = (cols.flags.writeable and not np.may_share_memory(cols, x)
-               and (x_last is None or not np.may_share_memory(cols, x_last)))
         _fold_gram(plan, cols, own=own)
         return
     dense = centre_rows(apply_columns(cols, plan["dense"]).T)
