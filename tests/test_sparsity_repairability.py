@@ -238,11 +238,14 @@ def test_sampled_columns_are_the_drawn_rows_of_the_full_im2col(build):
                                                       sample_indices=np.arange(10)), full)
 
 
+@pytest.mark.parametrize("k", [1, 4])
 @pytest.mark.parametrize("build", [_conv_geometry_model, depthwise_pointwise, residual_block])
-def test_rr_capture_cuts_sampled_patches_in_the_graph_with_the_numpy_curves(build, monkeypatch):
+def test_rr_capture_cuts_sampled_patches_in_the_graph_with_the_numpy_curves(build, k,
+                                                                            monkeypatch):
     """The capture gathers a sampled 2-D conv's patches inside the graph (only k patches
     per image leave the session, not its whole input; dilation, strides, asymmetric and
-    SAME_UPPER pads, groups): the columns NumPy cuts from the layer's input, so the
+    SAME_UPPER pads, groups; where the k patches hold at most half the input's values):
+    the columns NumPy cuts from the layer's input, so the
     curves are those of the NumPy path (to float32 rounding: other graphs fuse other
     ops, and the arrays' layouts differ), for pieces of 3 images and any batch split."""
     import onnxdiag.sparsity.repairability as rr
@@ -253,25 +256,30 @@ def test_rr_capture_cuts_sampled_patches_in_the_graph_with_the_numpy_curves(buil
     convs = [la for la in layers if la.op_type == "Conv"]
     calib = _calibration(model, 2, 5)
     index = GraphIndex(model)
-    plans = [rr._plan(index, la, np.asarray(DEFAULT_GRID), "auto", 4, 1) for la in layers]
-    cap = rc.capture_session(model, index, layers, plans, 4, 1, None, None)
-    assert set(cap.key_of) == {la.node_name for la in convs}
+    plans = [rr._plan(index, la, np.asarray(DEFAULT_GRID), "auto", k, 1) for la in layers]
+    cap = rc.capture_session(model, index, layers, plans, k, 1, None, None)
+    small = {la.node_name for la in convs if 2 * k * int(np.prod(la.kernel)) <= int(np.prod(
+        index.shape(la.input)[2:]))}
+    assert set(cap.key_of) == small and (small or k > 1)
+    convs = [la for la in convs if la.node_name in small]
     assert not {la.input for la in convs} & (set(cap.fetch) - set(index.inputs))
     images = np.arange(5, 10)  # the second batch's global indices
     outs = {**cap.runner.run({**calib[1], **cap.extra_feeds(images)}, cap.fetch), **calib[1]}
     xs = _inputs(model, layers, calib[1:])
     for la, plan in zip(layers, plans):
-        want = sampled_columns(plan["op"], xs[la.node_name], tuple(la.kernel), 4, seed=1,
+        want = sampled_columns(plan["op"], xs[la.node_name], tuple(la.kernel), k, seed=1,
                                sample_indices=images)
         # the input itself may differ by float32 rounding (another graph, other fusions)
         np.testing.assert_allclose(cap.columns(la, plan, outs, images), want, rtol=1e-5,
                                    atol=1e-5 * np.abs(want).max(), err_msg=la.node_name)
     monkeypatch.setattr(rc, "BOUND_ROWS", 3)
-    graph = compute_rr_curves(model, layers, calib, positions=4, seed=1)
+    monkeypatch.setattr(rc, "PIECE_BYTES", 1)  # pieces of BOUND_ROWS images
+    assert rc.capture_session(model, index, layers, plans, k, 1, None, None).piece == 3
+    graph = compute_rr_curves(model, layers, calib, positions=k, seed=1)
     one = compute_rr_curves(model, layers, [{"x": np.concatenate([f["x"] for f in calib])}],
-                            positions=4, seed=1)
+                            positions=k, seed=1)
     monkeypatch.setattr(rc, "GRAPH_COLUMNS", False)
-    plain = compute_rr_curves(model, layers, calib, positions=4, seed=1)
+    plain = compute_rr_curves(model, layers, calib, positions=k, seed=1)
     assert graph.n_samples == plain.n_samples == one.n_samples
     for got in (graph, one):
         for name in ("d_raw", "d_repair", "rr"):

@@ -30,15 +30,19 @@ from .rr_layer import fold_columns, layer_columns_of
 #: the same columns as cutting them in NumPy from its exposed input, tested): on a
 #: 224×224 net the exposed inputs are GBs per batch.
 GRAPH_COLUMNS = True
+#: Output bytes per run of a piece of a batch (**our default**): small nets run a batch
+#: at once, a 224×224 net's batch in pieces of BOUND_ROWS images.
+PIECE_BYTES = 256 * 2 ** 20
 
 
 def capture_session(model, index: GraphIndex, layers, plans, positions, seed: int,
                      providers, threads, outputs=()) -> Capture:
     """The pass that gives every layer's columns (and exposes the tensors ``outputs``).
 
-    A sampled 2-D conv whose input has a static C, H, W gets its patches cut inside the
-    graph (:func:`~onnxdiag.sparsity.ls_columns.expose_columns`: only its k patches per
-    image leave the session; layers with the same input and geometry share them). Any
+    A sampled 2-D conv whose input has a static C, H, W and whose k patches per image
+    hold at most half its input's values gets them cut inside the graph
+    (:func:`~onnxdiag.sparsity.ls_columns.expose_columns`: only its k patches per image
+    leave the session; layers with the same input and geometry share them). Any
     other sampled conv's input is fetched channels-last (one copy out of ONNX Runtime's
     blocked layout; its NCHW layout is then a view of that copy), and every other layer's
     input whole."""
@@ -47,7 +51,9 @@ def capture_session(model, index: GraphIndex, layers, plans, positions, seed: in
         keys: dict = {}
         for la, plan in zip(layers, plans):
             geo = conv_geometry(index, la, plan["op"]) if plan["op"].kind == "conv" else None
-            if geo is not None:
+            # only where the patches are smaller than the input (a 7×7 map's 16 3×3
+            # patches are three times its size: NumPy cuts those from the input)
+            if geo is not None and 2 * positions * geo.taps <= geo.spatial[0] * geo.spatial[1]:
                 key = keys.setdefault((la.input, geo), f"rrcols{len(keys)}")
                 convs[key], key_of[la.node_name] = (la.input, geo), key
     rest = [la for la in layers if la.node_name not in key_of]
@@ -66,7 +72,20 @@ def capture_session(model, index: GraphIndex, layers, plans, positions, seed: in
     # threads sleep between batches: each batch's folding (NumPy, BLAS) needs the cores
     runner = OrtRunner(graph, providers=providers, threads=threads, spinning=False)
     fetch = list(dict.fromkeys([*names.values(), *last.values()]))
-    return Capture(runner, fetch, convs, key_of, names, last, positions, int(seed))
+    size = _image_bytes(index, convs, positions, [*whole, *last_of])
+    piece = BOUND_ROWS if size is None else max(BOUND_ROWS, PIECE_BYTES // max(size, 1))
+    return Capture(runner, fetch, convs, key_of, names, last, positions, int(seed), piece)
+
+
+def _image_bytes(index: GraphIndex, convs: dict, positions, tensors) -> int | None:
+    """Bytes the capture fetches per image (float32), or None where a shape is unknown."""
+    total = sum(positions * geo.taps * geo.channels for _, geo in convs.values())
+    for t in tensors:
+        shape = index.shape(t)
+        if not shape or not all(isinstance(d, int) and d > 0 for d in shape[1:]):
+            return None
+        total += int(np.prod(shape[1:]))
+    return 4 * total
 
 
 @dataclass
@@ -81,6 +100,7 @@ class Capture:
     last: dict  # {tensor: its channels-last output}
     positions: int | None
     seed: int
+    piece: int  # images per run of a batch folded here (outputs of about PIECE_BYTES)
 
     def extra_feeds(self, images) -> dict:
         """The in-graph gathers' index inputs for a batch of global ``images``."""
@@ -122,10 +142,11 @@ def capture(model, index, layers, plans, source, n_images, positions, seed, *, f
     into their moments (with ``fold`` only). Returns (kept columns per layer, samples
     seen, {layer: output Moments}).
 
-    Folded here, a batch runs in pieces of :data:`~onnxdiag.runtime.bound.BOUND_ROWS`
-    images whose outputs ONNX Runtime writes into buffers reused from piece to piece (a
-    224×224 net's exposed outputs are GBs for a batch of 32; fresh pages cost system time
-    of the order of the pass); each piece's columns are cut from them, and the batch's
+    Folded here, a batch runs in pieces of images whose outputs (about
+    :data:`PIECE_BYTES`, at least :data:`~onnxdiag.runtime.bound.BOUND_ROWS` images) ONNX
+    Runtime writes into buffers reused from piece to piece (a 224×224 net's exposed
+    outputs are GBs for a batch of 32; fresh pages cost system time of the order of the
+    pass); each piece's columns are cut from them, and the batch's
     columns are folded together. With every position (``positions=None``) the columns
     are the size of the inputs: they are folded, or kept for the units, piece by piece
     (the same pieces either way, so the units fold what this process would)."""
@@ -134,7 +155,7 @@ def capture(model, index, layers, plans, source, n_images, positions, seed, *, f
     bound = BoundRunner(cap.runner, cap.fetch) if fold is not None and cap.fetch else None
     # every position: columns the size of the inputs, folded (or kept) piece by piece
     per_piece = positions is None
-    piece = BOUND_ROWS if bound is not None or per_piece else None
+    piece = cap.piece if bound is not None or per_piece else None
     captured: list[list] = [[] for _ in layers]
     moments: dict = {}
     seen = 0
