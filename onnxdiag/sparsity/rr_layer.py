@@ -257,7 +257,7 @@ def _finish_gram(plan: dict) -> None:
     var_d = np.einsum("gok,gok->go", wg, w_cov).ravel()
     mean_a = np.einsum("gok,gk->go", wg, mean).ravel()
     if g == 1:
-        levels = _levels_from_steps(plan["steps"], w, w_cov[0], cov[0], mean[0])
+        levels = _levels_from_steps(plan["steps"], w, w_cov[0], var_d, cov[0], mean[0])
     else:
         rem = plan["removed_rows"].reshape(-1, g, c // g, k)
         srem = rem @ cov  # (levels, g, C/g, K)
@@ -275,26 +275,23 @@ def _finish_gram(plan: dict) -> None:
         acc.mean_b = mean_b
 
 
-def _levels_from_steps(steps, w, w_cov, cov, mean, dtype=np.float64):
+def _levels_from_steps(steps, w, w_cov, var_d, cov, mean):
     """Per level (Var b, Cov(a, b), mean b, Var p) of one group: Cov(a, b) and mean b summed
-    over each step's removed weights (float64), R_l Σ grown from the steps' products Δ_l Σ
-    in ``dtype`` (each added into a float64 accumulator), Var b = rowsum(R_l ⊙ R_l Σ).
-    Var p = Cov(a, p) − rowsum(K_l ⊙ R_l Σ) with the kept weights K_l = W − R_l, and 0 for
-    a channel with every weight removed (Var a − 2 Cov(a, b) + Var b would leave the
-    products' rounding there, which METHODS §C2's collapse test would read as a live
-    channel). ``w_cov``: WΣ (C, K)."""
+    over each step's removed weights, R_l Σ grown from the steps' products Δ_l Σ,
+    Var b = rowsum(R_l ⊙ R_l Σ). Var p = Cov(a, p) − rowsum(K_l ⊙ R_l Σ) with the kept
+    weights K_l = W − R_l, and 0 for a channel with every weight removed (Var a −
+    2 Cov(a, b) + Var b would leave the products' rounding there, which METHODS §C2's
+    collapse test would read as a live channel). ``w_cov``: WΣ (C, K); ``var_d``: Var a."""
     c = w_cov.shape[0]
-    var_d = np.einsum("ck,ck->c", w, w_cov)
     removed = np.zeros_like(w_cov)
     kept = np.array(w, dtype=np.float64)
     n_kept = np.full(c, w.shape[1])
     r_cov = np.zeros_like(w_cov)  # R_l Σ
-    cov_x = np.asarray(cov, dtype)
     s_ab = np.zeros(c)
     mean_b = np.zeros(c)
     for step in steps:
         if step is not None:
-            r_cov += step.astype(dtype, copy=False) @ cov_x  # sparse × dense: nnz(Δ_l)·K
+            r_cov += step @ cov  # sparse × dense: nnz(Δ_l)·K
             coo = step.tocoo()
             removed[coo.row, coo.col] = coo.data
             kept[coo.row, coo.col] = 0.0
