@@ -49,7 +49,6 @@ from .rr_layer import (  # noqa: F401 - PairMoments, distortions, … re-exporte
     choose_strategy,
     distortions,
     finish_layer,
-    fold_layer,
     layer_unit,
     plan_layer,
 )

@@ -24,7 +24,8 @@ from ..runtime.progress import progress
 from ..runtime.runner import OrtRunner
 from .fold import output_moments
 from .ls_columns import channel_major_columns, conv_geometry, expose_columns, index_feeds
-from .rr_layer import fold_columns, layer_columns_of
+from .offline import sampled_columns
+from .rr_layer import fold_columns
 
 #: Whether a sampled 2-D conv's patches are cut inside the capture graph (**our default**;
 #: the same columns as cutting them in NumPy from its exposed input, tested): on a
@@ -128,7 +129,8 @@ class Capture:
         copy = self.last.get(layer.input)
         x_last = outs[copy] if copy else None
         x = outs[layer.input] if layer.input in outs else np.moveaxis(x_last, -1, 1)
-        cols = layer_columns_of(plan, x, images, x_last)
+        cols = sampled_columns(plan["op"], x, plan["kernel"], plan["positions"],
+                               seed=plan["seed"], sample_indices=images, x_last=x_last)
         shared = np.may_share_memory(cols, x) or (
             x_last is not None and np.may_share_memory(cols, x_last))
         return np.array(cols) if shared or not cols.flags.writeable else cols

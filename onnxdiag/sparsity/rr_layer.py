@@ -4,8 +4,8 @@ folded into per-level moments, and D_raw / D_repair from them.
 A plan (:func:`plan_layer`) holds the layer's op, its dense weights and, per grid level,
 either the weights removed since the previous level (``incremental``: the removed
 weights' output grown level by level) or the removed weight rows (``gram``: the columns'
-second moments, every level then a quadratic form of the weights). :func:`fold_layer`
-folds one batch of the layer's captured input; :func:`finish_layer` returns the
+second moments, every level then a quadratic form of the weights). :func:`fold_columns`
+folds one batch of the layer's columns; :func:`finish_layer` returns the
 distortions per level. Only per-channel moments are kept (memory O(|grid|·C)).
 """
 
@@ -17,7 +17,7 @@ from scipy import sparse
 from ..graph import GraphIndex
 from .budget import prune_count
 from .masks import magnitude_order
-from .offline import apply_columns, layer_op, sampled_columns, weight_matrix
+from .offline import apply_columns, layer_op, weight_matrix
 
 
 class PairMoments:
@@ -99,8 +99,7 @@ def finish_layer(plan: dict) -> tuple[list, int]:
 
 
 def layer_unit(item) -> tuple[list, int]:
-    """One layer as a unit of work: fold its captured batches of columns (those of
-    :func:`layer_columns_of`), then finish it."""
+    """One layer as a unit of work: fold its captured batches of columns, then finish it."""
     import copy
 
     plan, batches = item
@@ -318,27 +317,6 @@ def _flat_coordinates(op, shape) -> tuple:
     if op.groups > 1:
         cols += (out // (shape[0] // op.groups)) * per
     return out, cols, op.groups * per, None
-
-
-def layer_columns_of(plan: dict, x: np.ndarray, images: np.ndarray,
-                     x_last: np.ndarray | None = None) -> np.ndarray:
-    """The (sampled) columns (m, groups, K) of a batch of the layer's input ``x``
-    (``images``: the batch's global image indices, for the position draw; ``x_last``: the
-    input channels-last, if at hand): :func:`~onnxdiag.sparsity.offline.sampled_columns`."""
-    return sampled_columns(plan["op"], x, plan["kernel"], plan["positions"],
-                           seed=plan["seed"], sample_indices=images, x_last=x_last)
-
-
-def fold_layer(plan: dict, x: np.ndarray, images: np.ndarray,
-               x_last: np.ndarray | None = None) -> None:
-    """One batch of the layer's input: its columns (:func:`layer_columns_of`), folded
-    (:func:`fold_columns`)."""
-    cols = layer_columns_of(plan, x, images, x_last)
-    # Shift in place only a scratch array: never a (read-only) view of the captured
-    # inputs, which other layers reading the same tensor still need.
-    own = (cols.flags.writeable and not np.may_share_memory(cols, x)
-           and (x_last is None or not np.may_share_memory(cols, x_last)))
-    fold_columns(plan, cols, own=own)
 
 
 def fold_columns(plan: dict, cols: np.ndarray, own: bool = False) -> None:
