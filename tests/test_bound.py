@@ -44,6 +44,23 @@ def test_bound_outputs_are_the_plain_ones_and_reuse_their_buffers():
                                   runner.run(larger, names)[names[0]])
 
 
+def test_a_one_piece_batch_keeps_its_own_outputs_as_the_buffers():
+    """Batches of at most ``rows`` samples: the first run's arrays become the buffers (no
+    copy); later batches are written into them and equal their plain runs."""
+    model, names = _exposed(residual_block)
+    runner = OrtRunner(model)
+    bound = BoundRunner(runner, names, rows=4)
+    first = bound.run(random_feeds(model, batch=4, seed=0))
+    address = {t: first[t].__array_interface__["data"][0] for t in names}
+    for seed, n in ((1, 4), (2, 3)):
+        feeds = random_feeds(model, batch=n, seed=seed)
+        out = bound.run(feeds)
+        plain = runner.run(feeds, names)
+        for t in names:
+            np.testing.assert_array_equal(out[t], plain[t])
+            assert out[t].__array_interface__["data"][0] == address[t]
+
+
 def test_a_changed_shape_and_a_baked_batch_fall_back_to_the_plain_run():
     model, names = _exposed(dynamic_spatial)
     runner = OrtRunner(model)
