@@ -93,8 +93,8 @@ def _fold_groups(full: np.ndarray, k: int) -> np.ndarray:
 
 
 def test_removal_levels_follow_the_running_minimum_of_kept():
-    order = np.array([3, 0, 4, 1, 2])  # keep-first ranks: flat 3 first, flat 2 last
-    levels = removal_levels(order, [0.0, 0.4, 0.2, 0.8])
+    weight = np.array([4.0, -2.0, 1.0, 5.0, -3.0], np.float32)  # keep-first: 3, 0, 4, 1, 2
+    levels = removal_levels(weight, [0.0, 0.4, 0.2, 0.8])
     # kept per level 5, 3, 4 (-> 3), 1: ranks 3-4 go at level 1, ranks 1-2 at level 3
     assert levels.tolist() == [3, 1, 1, 4, 3]
 

@@ -177,3 +177,31 @@ def test_make_masks_with_a_cache_of_orders_are_the_magnitude_masks():
             assert cached[name].sum() == kept[name]
     with pytest.raises(ValueError, match="outside"):
         make_masks(SimpleNamespace(n_kept={"b": 36}), weights, orders)
+
+
+def test_magnitude_levels_equal_the_ranks_of_magnitude_order():
+    """The bucket selection gives every weight the level its keep-first rank gives it —
+    ties (the lower index kept), ±0, ±inf, a single value throughout, float16, and the
+    float64 / NaN fallback — for cuts that split buckets, share one, or keep all / none."""
+    from onnxdiag.sparsity.masks import magnitude_levels, magnitude_order
+
+    rng = np.random.default_rng(1)
+    cases = [rng.standard_normal((64, 3, 3, 3)).astype(np.float32),
+             np.round(rng.standard_normal(5000), 1).astype(np.float32),  # many ties
+             np.array([0.0, -0.0, 1.0, -1.0, 2.0, 0.0, np.inf, -np.inf], np.float32),
+             np.ones(1000, np.float32), rng.standard_normal(3001).astype(np.float16),
+             np.array([5.0], np.float32), rng.standard_normal(100),
+             np.array([1.0, np.nan, -3.0], np.float32)]
+    for w in cases:
+        ranks = np.empty(w.size, np.int64)
+        ranks[magnitude_order(w)] = np.arange(w.size)
+        for kept in ([w.size], [0], [w.size, w.size // 2, w.size // 2, 1, 0],
+                     [w.size * 3 // 4, w.size // 3], range(w.size, -1, -max(1, w.size // 30))):
+            kept = np.minimum.accumulate(list(kept))
+            want = (kept[None, :] > ranks[:, None]).sum(axis=1)
+            got = magnitude_levels(w, kept)
+            assert got.dtype == np.uint8 and np.array_equal(got, want), (w.dtype, kept)
+    many = np.arange(300, 0, -1)  # 300 levels: uint32
+    assert magnitude_levels(rng.standard_normal(300).astype(np.float32), many).dtype == np.uint32
+    with pytest.raises(ValueError, match="non-increasing"):
+        magnitude_levels(np.ones(3, np.float32), [1, 2])

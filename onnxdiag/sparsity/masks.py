@@ -45,13 +45,75 @@ def magnitude_order(weight: np.ndarray) -> np.ndarray:
     return np.argsort(-mag, kind="stable")
 
 
+#: Buckets of the selection in :func:`magnitude_levels`: the top 16 bits of |w|'s float32
+#: pattern (sign, exponent, 7 mantissa bits; a bucket spans under 1 % of a value).
+_BUCKET_SHIFT = np.uint32(16)
+
+
+def magnitude_levels(weight: np.ndarray, kept) -> np.ndarray:
+    """Per flat weight, the first level j whose mask of ``kept[j]`` weights drops it, or
+    ``len(kept)`` when none does: the number of levels j with ``kept[j]`` > its rank in
+    :func:`magnitude_order` (``kept`` non-increasing). uint8 for fewer than 255 levels,
+    uint32 otherwise; equal to ranking by :func:`magnitude_order` (tested), without
+    sorting every weight.
+
+    A selection instead of a sort: the weights are counted into buckets of their |w|'s
+    top float32 bits; a bucket no level's cut falls inside of gets one level for all its
+    weights, and only the weights of the (at most ``len(kept)``) buckets holding a cut
+    are ranked exactly, by the keys of :func:`magnitude_order`. float64 and NaN weights
+    are ranked by :func:`magnitude_order` itself."""
+    weight = np.asarray(weight)
+    kept = np.asarray(kept, dtype=np.int64)
+    if kept.size > 1 and np.any(np.diff(kept) > 0):
+        raise ValueError("kept counts must be non-increasing")
+    dtype = np.uint8 if kept.size < 255 else np.uint32
+    size = weight.size
+    mag = np.abs(weight.astype(np.float32 if weight.dtype != np.float64 else np.float64,
+                              copy=False)).ravel()
+    if mag.dtype == np.float64 or size >= 2 ** 32 or np.isnan(mag).any():
+        ranks = np.empty(size, np.int64)
+        ranks[magnitude_order(weight)] = np.arange(size)
+        return _level_of_rank(kept, ranks).astype(dtype)
+    bucket = mag.view(np.uint32) >> _BUCKET_SHIFT
+    counts = np.bincount(bucket)
+    above = np.cumsum(counts[::-1])[::-1] - counts  # weights in higher buckets (kept first)
+    # a bucket's ranks are above[b] .. above[b] + counts[b] - 1: a cut k inside that range
+    # (above < k < above + count) splits it; otherwise all its weights share one level
+    level_of = _level_of_rank(kept, above).astype(dtype)
+    split = np.zeros(counts.size, bool)
+    for k in np.unique(kept):
+        b = np.searchsorted(-above, -k, side="left")  # the lowest-ranked bucket above ≤ k
+        if b < counts.size and above[b] < k < above[b] + counts[b]:
+            split[b] = True
+    levels = level_of[bucket]
+    if split.any():
+        idx = np.flatnonzero(split[bucket])
+        keys = (np.uint64(0xFFFFFFFF) - mag[idx].view(np.uint32).astype(np.uint64)) \
+            << np.uint64(32)
+        keys |= idx.astype(np.uint64)
+        order = np.argsort(keys)
+        ranked = idx[order]
+        b = bucket[ranked]
+        # the weights of one bucket are consecutive in ``ranked``: rank = above + offset
+        first = np.searchsorted(-b.astype(np.int64), -b.astype(np.int64), side="left")
+        ranks = above[b] + (np.arange(ranked.size) - first)
+        levels[ranked] = _level_of_rank(kept, ranks).astype(dtype)
+    return levels
+
+
+def _level_of_rank(kept: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    """How many of the non-increasing ``kept`` exceed each rank (int64)."""
+    return np.searchsorted(-kept, -np.asarray(ranks, np.int64), side="left")
+
+
 def magnitude_mask(weight: np.ndarray, sparsity: float | None = None, *,
                    n_keep: int | None = None, order: np.ndarray | None = None) -> np.ndarray:
     """Keep the largest |w| of ``weight`` (METHODS §C1): a bool mask of its shape, True = kept.
 
     Give ``sparsity`` (prunes exactly ``prune_count(size, sparsity)`` = ⌊s·size⌋
     weights) or ``n_keep`` (keeps exactly that many).  Ties in |w| keep the lower flat
-    index.  ``order``: :func:`magnitude_order` of ``weight`` if already at hand.
+    index.  ``order``: :func:`magnitude_order` of ``weight`` if already at hand (otherwise
+    a selection, :func:`magnitude_levels`: the same mask without a sort).
     ``weight`` is not modified.
     """
     weight = np.asarray(weight)
@@ -61,8 +123,10 @@ def magnitude_mask(weight: np.ndarray, sparsity: float | None = None, *,
         n_keep = weight.size - prune_count(weight.size, sparsity)
     if not 0 <= n_keep <= weight.size:
         raise ValueError(f"n_keep={n_keep} outside [0, {weight.size}]")
+    if order is None:  # a selection (magnitude_levels): level 1 = never dropped = kept
+        return (magnitude_levels(weight, [n_keep]) == 1).reshape(weight.shape)
     mask = np.zeros(weight.size, dtype=bool)
-    mask[(magnitude_order(weight) if order is None else order)[:n_keep]] = True
+    mask[order[:n_keep]] = True
     return mask.reshape(weight.shape)
 
 
@@ -134,16 +198,21 @@ def make_masks(allocation, weights: Mapping[str, np.ndarray], orders: dict | Non
                ) -> dict[str, np.ndarray]:
     """Magnitude masks keeping ``allocation.n_kept[name]`` weights of each layer.
 
-    ``orders``: a cache {name: :func:`magnitude_order` of its weight} for masks of the same
-    weights made again (a sweep's cells); filled here with the layers it lacks. The masks
-    are :func:`magnitude_mask`'s either way."""
+    ``orders``: a cache for masks of the same weights made again (a sweep's cells): a
+    layer's first mask comes from a selection (:func:`magnitude_levels`, no sort) and marks
+    it seen (None); its second sorts it once (:func:`magnitude_order`, kept for every later
+    mask). The masks are :func:`magnitude_mask`'s either way."""
     masks = {}
     for name, k in allocation.n_kept.items():
-        if orders is not None and name not in orders:  # int32 flat indices: half the memory
-            order = magnitude_order(weights[name])
-            orders[name] = order.astype(np.int32) if order.size < 2 ** 31 else order
-        masks[name] = magnitude_mask(weights[name], n_keep=int(k),
-                                     order=None if orders is None else orders[name])
+        order = None
+        if orders is not None and name not in orders:
+            orders[name] = None
+        elif orders is not None:
+            if orders[name] is None:  # int32 flat indices: half the memory
+                order = magnitude_order(weights[name])
+                orders[name] = order.astype(np.int32) if order.size < 2 ** 31 else order
+            order = orders[name]
+        masks[name] = magnitude_mask(weights[name], n_keep=int(k), order=order)
     return masks
 
 

@@ -16,7 +16,7 @@ from scipy import sparse
 
 from ..graph import GraphIndex
 from .budget import prune_count
-from .masks import magnitude_order
+from .masks import magnitude_levels
 from .offline import apply_columns, layer_op, weight_matrix
 
 
@@ -127,44 +127,42 @@ def choose_strategy(n_out: int, k: int, groups: int, n_levels: int) -> str:
     return "gram" if gram <= GRAM_SPEED * n_out * (k + 3 * n_levels) else "incremental"
 
 
-def plan_layer(index: GraphIndex, layer, grid, strategy: str = "auto") -> dict:
+def plan_layer(index: GraphIndex, layer, grid, strategy: str = "auto",
+               gram_steps=np.float64) -> dict:
     """Per layer: its op, dense matrix, the weights removed between consecutive grid points
     (sparse, rows = output channels, columns = column features), and accumulators; or, for
-    the ``gram`` strategy, the removed weights per level and the column moments."""
+    the ``gram`` strategy, the removed weights per level and the column moments.
+    ``gram_steps``: the dtype of a ``gram`` plan's sparse steps and so of its finish's
+    products R_l Σ (float32: each step's product rounded to float32 before it is summed
+    in float64); an ``incremental`` plan's steps are float32, as its columns."""
     w = np.asarray(index.get_constant(layer.weight), dtype=np.float32)
     op = layer_op(index, layer)
     rows, cols, n_cols, walk = _flat_coordinates(op, w.shape)
-    levels = removal_levels(magnitude_order(w), grid)
+    levels = removal_levels(w, grid)
     groups = op.groups if op.kind == "conv" else 1
     if strategy == "auto":
         strategy = choose_strategy(layer.n_out, n_cols // groups, groups, len(grid))
     if strategy == "gram":
-        return _gram_plan(op, w, levels, (rows, cols, walk), n_cols, groups, grid, layer.n_out)
+        return _gram_plan(op, w, levels, (rows, cols, walk), n_cols, groups, grid, layer.n_out,
+                          gram_steps)
     steps = _steps(w.ravel(), rows, cols, walk, levels, len(grid), (layer.n_out, n_cols))
     return {"mode": "incremental", "op": op, "kernel": tuple(w.shape[2:]),
             "dense": weight_matrix(op, w), "steps": steps, "n": int(w.size),
             "acc": [PairMoments(layer.n_out) for _ in grid]}
 
 
-def removal_levels(order: np.ndarray, grid) -> np.ndarray:
+def removal_levels(weight: np.ndarray, grid) -> np.ndarray:
     """Per flat weight, the first grid level whose magnitude mask removes it (``len(grid)``:
     never): the weight of keep-first rank r goes at level j when kept_j <= r < kept_(j-1),
-    kept_j = size - prune_count(size, s_j) (the running minimum over the levels)."""
-    size = order.size
-    dtype = np.uint8 if len(grid) < 255 else np.uint32
-    by_rank = np.full(size, len(grid), dtype)
-    previous = size
-    for j, s in enumerate(grid):
-        kept = size - prune_count(size, s)
-        if kept < previous:
-            by_rank[kept:previous] = j
-        previous = min(previous, kept)
-    levels = np.empty(size, dtype)
-    levels[order] = by_rank
-    return levels
+    kept_j = size - prune_count(size, s_j) (the running minimum over the levels)
+    (:func:`~onnxdiag.sparsity.masks.magnitude_levels`: a selection, not a sort)."""
+    size = int(np.asarray(weight).size)
+    kept = np.minimum.accumulate([size - prune_count(size, s) for s in grid]) if len(grid) \
+        else np.zeros(0, np.int64)
+    return magnitude_levels(weight, kept)
 
 
-def _gram_plan(op, w, levels, coords, n_cols, groups, grid, n_out) -> dict:
+def _gram_plan(op, w, levels, coords, n_cols, groups, grid, n_out, step_dtype) -> dict:
     """Dense per-channel weight rows (C, K) in column order and accumulators of the shifted
     column moments per group; the weights removed per level as sparse (C, K) steps (one
     group), or as dense removed rows (n_levels, C, K) for grouped convs (K small).
@@ -182,7 +180,8 @@ def _gram_plan(op, w, levels, coords, n_cols, groups, grid, n_out) -> dict:
             "gram": np.zeros((groups, k, k)), "sums": np.zeros((groups, k)), "count": 0,
             "acc": [PairMoments(n_out) for _ in grid]}
     if groups == 1:
-        plan["steps"] = _steps(values, rows, cols, walk, levels, len(grid), (n_out, k))
+        plan["steps"] = _steps(values.astype(step_dtype, copy=False), rows, cols, walk, levels,
+                               len(grid), (n_out, k))
         return plan
     removed = np.zeros((len(grid), n_out, k))
     for j in range(len(grid)):
@@ -288,15 +287,19 @@ def _levels_from_steps(steps, w, w_cov, var_d, cov, mean):
     r_cov = np.zeros_like(w_cov)  # R_l Σ
     s_ab = np.zeros(c)
     mean_b = np.zeros(c)
+    cov_s = None
     for step in steps:
         if step is not None:
-            r_cov += step @ cov  # sparse × dense: nnz(Δ_l)·K
+            if cov_s is None:  # Σ in the steps' dtype: float32 products summed in float64
+                cov_s = cov.astype(step.dtype, copy=False)
+            r_cov += step @ cov_s  # sparse × dense: nnz(Δ_l)·K
             coo = step.tocoo()
-            removed[coo.row, coo.col] = coo.data
+            data = coo.data.astype(np.float64)
+            removed[coo.row, coo.col] = data
             kept[coo.row, coo.col] = 0.0
             n_kept -= np.bincount(coo.row, minlength=c)
-            s_ab = s_ab + np.bincount(coo.row, coo.data * w_cov[coo.row, coo.col], minlength=c)
-            mean_b = mean_b + step @ mean
+            s_ab = s_ab + np.bincount(coo.row, data * w_cov[coo.row, coo.col], minlength=c)
+            mean_b = mean_b + np.bincount(coo.row, data * mean[coo.col], minlength=c)
         var_p = np.where(n_kept > 0, var_d - s_ab - np.einsum("ck,ck->c", kept, r_cov), 0.0)
         yield np.einsum("ck,ck->c", removed, r_cov), s_ab.copy(), mean_b.copy(), var_p
 
