@@ -36,7 +36,9 @@ round-robin in one process (so load from other processes hits each alike), the m
   sweep     one sweep cell: prune as above + the agreement on the calibration set, as
             ``onnxdiag sweep`` measures it (RR once, then this per cell; its cells share
             one dense-moments pass, made before the timings, so a cell is the sequential
-            pass, which runs on to the head's logits, + the agreement read off them;
+            pass, which runs on to the head's logits, + the agreement read off them; two
+            cells run first: a steady cell, whose masks come from each layer's magnitude
+            order, sorted on the layer's second mask (its first is a selection);
             ``--fresh-agreement``: an agreement pass of its own, as before 2026-12-02)
 ``--own-arenas``: each sequential-pass segment's session gets its own CPU arena, as before
 the shared arena of ``onnxdiag/runtime/arena.py`` (the A/B of that change).
@@ -162,7 +164,8 @@ def make_passes(model_path: str, x, y, calib: int, batch_size: int, wanted,
         if "sweep" in wanted:  # a sweep's cells share the first cell's dense moments
             sweeper = Pruner(model, structure, feeds, rr_curves=curves,
                              pass_logits=not fresh_agreement)
-            sweeper.prune(alloc, "cr+bn")
+            for _ in range(2):  # a steady cell: a layer's second mask sorts its weights once
+                sweeper.prune(alloc, "cr+bn")
 
             def sweep_cell():  # as sweep's _measured, without evaluation data
                 pruned, record = sweeper.prune(alloc, "cr+bn")
