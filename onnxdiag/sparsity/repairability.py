@@ -48,6 +48,7 @@ from .rr_layer import (  # noqa: F401 - PairMoments, distortions, … re-exporte
     centre_rows,
     choose_strategy,
     distortions,
+    finish_cost,
     finish_layer,
     layer_unit,
     plan_layer,
@@ -167,21 +168,38 @@ def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int
     here = executor is None or executor.in_process
     moment_layers = [la for la in layers if not la.is_head] if output_moments and here else []
     with thread_map(len(layers), LAYER_THREADS) as pool:
-        plans = pool(lambda la: _plan(index, la, grid, strategy, positions, seed), layers)
+        plans = largest_first(pool, lambda la: _plan(index, la, grid, strategy, positions,
+                                                      seed), layers, _weight_count)
         captured, seen, moments = capture(
             model, index, layers, plans, source, n_images, positions, seed,
             fold=pool if here else None, providers=providers, threads=threads, label=label,
             moment_layers=moment_layers)
-        if here:
-            folded = pool(finish_layer, plans, label and f"{label}: layers")
-    if not here:
-        folded = _fold_on(executor, layers, plans, captured, label)
-    d = np.array([f[0] for f in folded])
-    d_raw, d_rep = d[..., 0], d[..., 1]
+        folded = largest_first(pool, finish_layer, plans, finish_cost, label and
+                               f"{label}: layers") if here else None
+    folded = folded or _fold_on(executor, layers, plans, captured, label)
+    d_raw, d_rep = np.moveaxis(np.array([f[0] for f in folded]), -1, 0)
     return RRCurves(tuple(la.node_name for la in layers), grid, d_raw, d_rep,
                     (d_rep + eps) / (d_raw + eps), tuple(p["n"] for p in plans), seen,
                     tuple(f[1] for f in folded), eps, positions, int(seed),
                     moments if moment_layers else None)
+
+
+def largest_first(pool, fn, items, cost, label=None) -> list:
+    """``pool(fn, items)`` with the items handed to the threads in decreasing ``cost``
+    (the longest-first schedule: a large layer taken last would leave the other threads
+    idle while it runs); results in the order of ``items``."""
+    items = list(items)
+    order = sorted(range(len(items)), key=lambda i: -cost(items[i]))
+    done = pool(fn, [items[i] for i in order], label)
+    out = [None] * len(items)
+    for i, r in zip(order, done):
+        out[i] = r
+    return out
+
+
+def _weight_count(layer) -> int:
+    """A layer's weight count (its planning cost: a selection and the steps over them)."""
+    return int(np.prod(layer.weight_shape))
 
 
 def _checked(layers, grid, strategy: str, positions) -> tuple[list, np.ndarray, int | None]:

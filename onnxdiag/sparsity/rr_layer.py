@@ -98,6 +98,16 @@ def finish_layer(plan: dict) -> tuple[list, int]:
     return [distortions(acc) for acc in plan["acc"]], plan["acc"][0].n
 
 
+def finish_cost(plan: dict) -> float:
+    """Operations of :func:`finish_layer` (to schedule the largest first): a ``gram`` plan's
+    sparse R_l Σ products (its weights × K) and per-level C × K passes; about none for an
+    ``incremental`` one."""
+    if plan["mode"] != "gram":
+        return 0.0
+    c, k = plan["dense_rows"].shape
+    return float(plan["n"]) * k + len(plan["acc"]) * c * k
+
+
 def layer_unit(item) -> tuple[list, int]:
     """One layer as a unit of work: fold its captured batches of columns, then finish it."""
     import copy
