@@ -89,6 +89,32 @@ def test_rr_curves_one_unit_per_layer_equal_in_process(positions):
     np.testing.assert_array_equal(a.d_raw, b.d_raw)
 
 
+def test_units_with_every_position_get_a_convs_input_not_its_columns():
+    """--rr-positions all on units: a k×k conv's columns are its input × k² / stride², so
+    its unit gets the input and cuts them itself; 1×1 convs and linear layers get their
+    columns (no larger than the input). The curves are the in-process ones (above)."""
+    from onnxdiag.runtime.executor import LocalExecutor
+
+    class Recording(LocalExecutor):
+        def map(self, fn, items, shared=(), **kw):
+            self.items = list(items)
+            return super().map(fn, self.items, shared, **kw)
+
+    ex = Recording(2)
+    _rr(ex, positions="all")
+    wide = 0
+    for plan, batches in ex.items:
+        taps = int(np.prod(plan["kernel"])) if plan["op"].kind == "conv" else 1
+        assert bool(plan.get("unit_cuts")) == (taps > 1)
+        if taps > 1:
+            wide += 1
+            assert all(b.ndim == 4 for b in batches)  # (n, C, H, W): the input
+            assert sum(len(b) for b in batches) == 80  # every image, once
+        else:
+            assert all(b.ndim == 3 for b in batches)  # (rows, groups, K): columns
+    assert wide > 0
+
+
 def test_rr_curves_on_ray_equal_in_process():
     ray = pytest.importorskip("ray")
     from onnxdiag.runtime.executor import RayExecutor

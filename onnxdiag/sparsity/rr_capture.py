@@ -121,7 +121,10 @@ class Capture:
         return fold(lambda item: self.columns(*item), cut), outs
 
     def columns(self, layer, plan: dict, outs: dict, images) -> np.ndarray:
-        """The layer's columns of one run (a fresh array: ``outs`` may be reused buffers)."""
+        """The layer's columns of one run (a fresh array: ``outs`` may be reused buffers),
+        or for a plan its unit cuts (``unit_cuts``) the run's input itself."""
+        if plan.get("unit_cuts"):  # kept for a unit: no reused buffers (bound is None)
+            return outs[layer.input]
         key = self.key_of.get(layer.node_name)
         if key is not None:  # a permuting copy of the gathered rows
             return channel_major_columns(outs[self.names[key]], self.convs[key][1],
@@ -152,6 +155,10 @@ def capture(model, index, layers, plans, source, n_images, positions, seed, *, f
     columns are folded together. With every position (``positions=None``) the columns
     are the size of the inputs: they are folded, or kept for the units, piece by piece
     (the same pieces either way, so the units fold what this process would)."""
+    if fold is None and positions is None:  # units: a conv's every-position columns are
+        for plan in plans:  # its input × taps / stride²: ship the input, the unit cuts them
+            if plan["op"].kind == "conv" and int(np.prod(plan["kernel"])) > 1:
+                plan["unit_cuts"] = True  # (rr_layer.layer_unit)
     cap = capture_session(model, index, layers, plans, positions, seed, providers, threads,
                           [la.output for la in moment_layers])
     bound = BoundRunner(cap.runner, cap.fetch) if fold is not None and cap.fetch else None

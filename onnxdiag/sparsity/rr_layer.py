@@ -17,7 +17,7 @@ from scipy import sparse
 from ..graph import GraphIndex
 from .budget import prune_count
 from .masks import magnitude_levels
-from .offline import apply_columns, layer_op, weight_matrix
+from .offline import apply_columns, layer_columns, layer_op, weight_matrix
 
 
 class PairMoments:
@@ -109,12 +109,16 @@ def finish_cost(plan: dict) -> float:
 
 
 def layer_unit(item) -> tuple[list, int]:
-    """One layer as a unit of work: fold its captured batches of columns, then finish it."""
+    """One layer as a unit of work: fold its captured batches of columns, then finish it.
+    A plan marked ``unit_cuts`` (a conv with every position) gets its inputs instead and
+    cuts the columns here, batch by batch (they are its input × taps / stride²)."""
     import copy
 
     plan, batches = item
     plan = copy.deepcopy(plan)  # writable accumulators (Ray's arguments are read-only views)
     for cols in batches:
+        if plan.get("unit_cuts"):  # im2col: a fresh array
+            cols = layer_columns(plan["op"], np.asarray(cols), plan["kernel"])[0]
         fold_columns(plan, cols if cols.flags.writeable else np.array(cols), own=True)
     return finish_layer(plan)
 
