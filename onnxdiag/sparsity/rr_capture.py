@@ -155,10 +155,8 @@ def capture(model, index, layers, plans, source, n_images, positions, seed, *, f
     columns are folded together. With every position (``positions=None``) the columns
     are the size of the inputs: they are folded, or kept for the units, piece by piece
     (the same pieces either way, so the units fold what this process would)."""
-    if fold is None and positions is None:  # units: a conv's every-position columns are
-        for plan in plans:  # its input × taps / stride²: ship the input, the unit cuts them
-            if plan["op"].kind == "conv" and int(np.prod(plan["kernel"])) > 1:
-                plan["unit_cuts"] = True  # (rr_layer.layer_unit)
+    if fold is None and positions is None:
+        _mark_unit_cuts(plans)
     cap = capture_session(model, index, layers, plans, positions, seed, providers, threads,
                           [la.output for la in moment_layers])
     bound = BoundRunner(cap.runner, cap.fetch) if fold is not None and cap.fetch else None
@@ -200,6 +198,14 @@ def capture(model, index, layers, plans, source, n_images, positions, seed, *, f
     if seen == 0:
         raise DataError("The calibration data is empty; give at least one sample.")
     return captured, seen, moments
+
+
+def _mark_unit_cuts(plans) -> None:
+    """Units with every position: a k×k conv's columns are its input × k² / stride², so
+    its unit gets the input and cuts them (:func:`~onnxdiag.sparsity.rr_layer.layer_unit`)."""
+    for plan in plans:
+        if plan["op"].kind == "conv" and int(np.prod(plan["kernel"])) > 1:
+            plan["unit_cuts"] = True
 
 
 def _fold_moments(fold, layers, outs: dict, moments: dict) -> None:
