@@ -185,6 +185,27 @@ def test_rr_uses_one_runtime_pass_and_is_batch_split_invariant(monkeypatch):
     assert compute_rr_curves(model, layers[:2], _calibration(model), n_images=6).n_images == 6
 
 
+def test_rr_shows_a_bar_for_each_pass_over_the_layers_on_a_terminal(monkeypatch):
+    """``label``: bars for the planning, the capture and the layers' finish on a
+    terminal's stderr (click writes the label); the same curves as without them."""
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    model = load_model(residual_block())
+    layers = find_prunable(analyze_structure(model))
+    quiet = compute_rr_curves(model, layers, _calibration(model, 3, 4), label="RR curves")
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    shown = compute_rr_curves(model, layers, _calibration(model, 3, 4), label="RR curves")
+    text = sys.stderr.getvalue()
+    for part in ("plan", "capture", "layers"):
+        assert f"RR curves: {part}" in text
+    np.testing.assert_array_equal(quiet.rr, shown.rr)
+
+
 @pytest.mark.parametrize("build", [residual_block, depthwise_pointwise, gemm_head])
 def test_float32_gram_steps_are_within_their_bound_of_float64(build, monkeypatch):
     """The sampled Gram finish's R_l Σ in float32 (GRAM_STEPS_FLOAT32): the curves are

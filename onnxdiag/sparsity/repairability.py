@@ -142,7 +142,7 @@ def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int
             ``in_process``, after the capture pass each layer's folding runs as one unit
             there (one Ray task per layer, its captured inputs shipped once); None (or an
             in-process one) folds batch by batch in this process. Same result.
-        label: progress bars with an ETA (stderr, a terminal) of the capture and layers.
+        label: bars with an ETA (stderr, a terminal) of the planning, capture and layers.
         output_moments: also fold every non-head layer's dense *output* moments (all
             positions; ``RRCurves.output_moments``, None unless folded here) in the capture
             pass: the dense moments the cr / bn repairs need on the same images.
@@ -169,7 +169,8 @@ def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int
     moment_layers = [la for la in layers if not la.is_head] if output_moments and here else []
     with thread_map(len(layers), LAYER_THREADS) as pool:
         plans = largest_first(pool, lambda la: _plan(index, la, grid, strategy, positions,
-                                                      seed), layers, _weight_count)
+                                                      seed), layers, _weight_count,
+                              label and f"{label}: plan")
         captured, seen, moments = capture(
             model, index, layers, plans, source, n_images, positions, seed,
             fold=pool if here else None, providers=providers, threads=threads, label=label,
