@@ -19,6 +19,7 @@ import numpy as np
 from ..errors import DataError
 from ..graph import GraphIndex
 from ..model.expose import expose_channels_last, expose_tensors
+from ..runtime.batching import batch_len
 from ..runtime.bound import BOUND_ROWS, BoundRunner
 from ..runtime.progress import progress
 from ..runtime.runner import OrtRunner
@@ -26,6 +27,7 @@ from .fold import output_moments
 from .ls_columns import channel_major_columns, conv_geometry, expose_columns, index_feeds
 from .offline import sampled_columns
 from .rr_layer import fold_columns
+from .segments import feed_dicts
 
 #: Whether a sampled 2-D conv's patches are cut inside the capture graph (**our default**;
 #: the same columns as cutting them in NumPy from its exposed input, tested): on a
@@ -166,13 +168,13 @@ def capture(model, index, layers, plans, source, n_images, positions, seed, *, f
     captured: list[list] = [[] for _ in layers]
     moments: dict = {}
     seen = 0
-    batches = _feed_batches(source)
+    batches = feed_dicts(source)
     if label:  # advances by images, so the bar's ETA holds for any batch size
         batches = progress(batches, n_images, f"{label}: capture",
-                           step=lambda f: min(_batch_len(f), n_images))
+                           step=lambda f: min(batch_len(f), n_images))
     items = list(zip(layers, plans))
     for feeds in batches:
-        take = min(n_images - seen, _batch_len(feeds))
+        take = min(n_images - seen, batch_len(feeds))
         if take <= 0:
             break
         feeds = {k: v[:take] for k, v in feeds.items()}
@@ -222,15 +224,3 @@ def _fold_or_keep(fold, plans, cols: list, captured: list[list]) -> None:
     else:
         for i, c in enumerate(cols):
             captured[i].append(c)
-
-
-def _feed_batches(source):
-    if hasattr(source, "batches"):
-        for batch in source.batches():
-            yield batch.feeds
-    else:
-        yield from source
-
-
-def _batch_len(feeds: dict) -> int:
-    return int(next(iter(feeds.values())).shape[0])

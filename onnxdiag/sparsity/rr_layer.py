@@ -171,12 +171,11 @@ def removal_levels(weight: np.ndarray, grid) -> np.ndarray:
     kept_j = size - prune_count(size, s_j) (the running minimum over the levels)
     (:func:`~onnxdiag.sparsity.masks.magnitude_levels`: a selection, not a sort)."""
     size = int(np.asarray(weight).size)
-    kept = np.minimum.accumulate([size - prune_count(size, s) for s in grid]) if len(grid) \
-        else np.zeros(0, np.int64)
-    return magnitude_levels(weight, kept)
+    kept = [size - prune_count(size, s) for s in grid]
+    return magnitude_levels(weight, np.minimum.accumulate(np.asarray(kept, np.int64)))
 
 
-def _gram_plan(op, w, levels, coords, n_cols, groups, grid, n_out, step_dtype) -> dict:
+def _gram_plan(op, w, levels, coords, n_cols, groups, grid, n_out, gram_steps) -> dict:
     """Dense per-channel weight rows (C, K) in column order and accumulators of the shifted
     column moments per group; the weights removed per level as sparse (C, K) steps (one
     group), or as dense removed rows (n_levels, C, K) for grouped convs (K small).
@@ -194,7 +193,7 @@ def _gram_plan(op, w, levels, coords, n_cols, groups, grid, n_out, step_dtype) -
             "gram": np.zeros((groups, k, k)), "sums": np.zeros((groups, k)), "count": 0,
             "acc": [PairMoments(n_out) for _ in grid]}
     if groups == 1:
-        plan["steps"] = _steps(values.astype(step_dtype, copy=False), rows, cols, walk, levels,
+        plan["steps"] = _steps(values.astype(gram_steps, copy=False), rows, cols, walk, levels,
                                len(grid), (n_out, k))
         return plan
     removed = np.zeros((len(grid), n_out, k))

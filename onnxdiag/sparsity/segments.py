@@ -22,6 +22,7 @@ from onnx import helper
 
 from ..errors import DataError
 from ..graph import GraphIndex
+from ..runtime.batching import batch_len  # noqa: F401 - re-exported (repair, fold, commands)
 from ..runtime.runner import OrtRunner
 
 #: Input values per ONNX Runtime run of the repairs' passes (**our default**, 2^20: 6 images
@@ -162,9 +163,8 @@ class SegmentedPass:
 def collect_batches(source, n_images: int | None) -> list[dict]:
     """The first ``n_images`` (None: all) of ``source`` (a DataSource or feed dicts) as
     feed dicts; DataError with fewer than 2."""
-    feeds_iter = (b.feeds for b in source.batches()) if hasattr(source, "batches") else source
     batches, seen = [], 0
-    for feeds in feeds_iter:
+    for feeds in feed_dicts(source):
         take = batch_len(feeds) if n_images is None else min(n_images - seen, batch_len(feeds))
         if take <= 0:
             break
@@ -176,6 +176,10 @@ def collect_batches(source, n_images: int | None) -> list[dict]:
     return batches
 
 
-def batch_len(feeds: dict) -> int:
-    """The number of samples in one feed dict."""
-    return int(np.shape(next(iter(feeds.values())))[0])
+def feed_dicts(source):
+    """The feed dicts of ``source``: a DataSource's batches, or an iterable of feed dicts."""
+    if hasattr(source, "batches"):
+        for batch in source.batches():
+            yield batch.feeds
+    else:
+        yield from source

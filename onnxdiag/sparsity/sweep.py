@@ -22,6 +22,7 @@ from .allocation import RULES, allocate_sparsity
 from .budget import no_prunable_message
 from .masks import describe_layers, find_prunable, make_masks, read_weights
 from .repair import METHODS, repair_model
+from .segments import feed_dicts
 from .transition import cts, cts_band, transition_band
 
 #: METHODS §C4 label-free band: the repair whose agreement defines it, and the one CTS compares.
@@ -31,9 +32,8 @@ BAND_REPAIR, CTS_BASELINE = "cr+bn", "bn"
 def materialize(source, n_images: int | None = None) -> list[dict]:
     """The first ``n_images`` samples (all when None) of a DataSource or iterable of feed
     dicts, as a list of feed dicts held in memory."""
-    feeds_iter = (b.feeds for b in source.batches()) if hasattr(source, "batches") else source
     out, seen = [], 0
-    for feeds in feeds_iter:
+    for feeds in feed_dicts(source):
         n = int(np.shape(next(iter(feeds.values())))[0])
         take = n if n_images is None else min(n, n_images - seen)
         if take <= 0:
