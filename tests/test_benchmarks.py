@@ -157,3 +157,34 @@ def test_resnet50_builder_smoke_exports_a_bottleneck_resnet(tmp_path):
         ref = resnet50.build(1 / 16)(torch.from_numpy(x)).numpy()
     assert got.shape == (8, 1000)
     np.testing.assert_allclose(got, ref, rtol=1e-3, atol=1e-4)
+
+
+def test_mobilenetv2_builder_smoke_exports_an_inverted_residual_net(tmp_path):
+    """``benchmarks/mobilenetv2.py --smoke`` exports a plain-torch MobileNetV2 (52 convs:
+    a stem, 17 inverted residual blocks — the first without expansion — and the last 1×1;
+    17 of them depthwise) that ONNX Runtime runs on its calibration file, and whose torch
+    outputs it reproduces."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("needs torch")
+    res = _run([sys.executable, str(BENCH / "mobilenetv2.py"), str(tmp_path), "--smoke"])
+    assert res.returncode == 0, res.stderr[-2000:]
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    import torch
+
+    sys.path.insert(0, str(BENCH))
+    import mobilenetv2
+
+    model = onnx.load(str(tmp_path / "model.onnx"))
+    convs = [n for n in model.graph.node if n.op_type == "Conv"]
+    groups = [next((a.i for a in n.attribute if a.name == "group"), 1) for n in convs]
+    assert len(convs) == 52 and sum(g > 1 for g in groups) == 17
+    x = np.load(tmp_path / "calib.npz")["input"]
+    assert x.shape == (8, 3, 64, 64)
+    sess = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
+    got = sess.run(None, {"input": x})[0]
+    with torch.no_grad():
+        ref = mobilenetv2.build(0.25)(torch.from_numpy(x)).numpy()
+    assert got.shape == (8, 1000)
+    np.testing.assert_allclose(got, ref, rtol=1e-3, atol=1e-4)

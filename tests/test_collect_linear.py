@@ -132,7 +132,12 @@ def test_session_threads_leave_the_fold_a_core_where_it_is_large():
     is not (the ViT sample: 19 layers, 16 of 17 tokens); the fold estimate is the Gram
     FLOPs plus a per-layer cost; the moments are the same whatever the session's threads."""
     from onnxdiag.channels.collect import make_stats_runner
-    from onnxdiag.channels.threads import LAYER_OVERHEAD_FLOPS, fold_flops, session_threads
+    from onnxdiag.channels.threads import (
+        FOLD_SHARE,
+        LAYER_OVERHEAD_FLOPS,
+        fold_flops,
+        session_threads,
+    )
     from onnxdiag.data.request import DataRequest
 
     cnn, vit = (load_model(p) for p in ("models/sample/model.onnx", "models/vit/model.onnx"))
@@ -141,7 +146,9 @@ def test_session_threads_leave_the_fold_a_core_where_it_is_large():
     expected = sum(2.0 * min(16, int(np.prod(la.output_shape[1:-1]))) * (la.n_out + 3) ** 2
                    + LAYER_OVERHEAD_FLOPS for la in l_vit)
     assert fold_flops(l_vit, 16) == pytest.approx(expected)
-    assert fold_flops(l_vit, 16) > 0.5 * s_vit.flops and fold_flops(l_cnn, 16) < 0.5 * s_cnn.flops
+    assert fold_flops(l_vit, 16) > FOLD_SHARE * s_vit.flops
+    assert fold_flops(l_cnn, 16) < FOLD_SHARE * s_cnn.flops
+    assert session_threads(s_vit, l_vit, 16, cores=2, share=1.5) is None  # 1.45 of the model
     assert session_threads(s_vit, l_vit, 16, cores=2) == 1
     assert session_threads(s_vit, l_vit, 16, cores=16) == 15
     assert session_threads(s_vit, l_vit, 16, cores=1) is None
