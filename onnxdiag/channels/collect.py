@@ -21,9 +21,14 @@ from dataclasses import dataclass, replace
 
 from ..data.request import DataRequest
 from ..errors import OnnxDiagError
-from ..model.expose import channels_last_name, expose_channels_last, expose_tensors
+from ..model.expose import (
+    bn_as_depthwise_conv,
+    channels_last_name,
+    expose_channels_last,
+    expose_tensors,
+)
 from ..runtime.executor import wants_gpu
-from ..runtime.runner import OrtRunner, single_threaded_blas
+from ..runtime.runner import OrtRunner, resolve_providers, single_threaded_blas
 from ..selection.probe import resolve_targets
 from . import shards
 from .moments import BatchFolder, ChannelStats, LayerMoments
@@ -135,7 +140,8 @@ def collect_channel_moments(model, structure, source, settings: StatsSettings | 
     targets, chosen = check_settings(settings, source, structure)
     taps = choose_taps(model, chosen, settings.tap, settings.task_samples, settings.n_positions)
     if runner is None:
-        exposed, names, fetch = _stats_model(model, chosen, structure.head, taps)
+        exposed, names, fetch = _stats_model(model, chosen, structure.head, taps,
+                                             cpu=_on_cpu(providers))
         threads = session_threads(structure, chosen, settings.n_positions) if overlap else None
         runner = StatsRunner(exposed, providers=providers, threads=threads)
     else:  # the names alone: building the exposed model cost 10 % of a pass on 52 layers
@@ -175,23 +181,32 @@ def _fold_stream(stream, fold, overlap: bool) -> int:
     return n_images
 
 
-def _stats_model(model, chosen, head, taps: dict) -> tuple:
+def _stats_model(model, chosen, head, taps: dict, cpu: bool = True) -> tuple:
     """(model exposing what the pass reads, layer tensor → its channels-last output name,
     the output names to fetch: the head's features and logits, then the layer tensors).
 
     Each analysed conv's output, or for an input tap its input, is exposed channels-last
     (sampled positions are then contiguous C-vectors; on CPU the Transpose rides on the
     layout reorder ONNX Runtime does for any exposed conv tensor); a linear layer's
-    tensors (channels last already), the head's features and logits as they are.
+    tensors (channels last already), the head's features and logits as they are. For a
+    ``cpu`` session, an exposed conv's BatchNormalization before a ReLU6 becomes a depthwise Conv
+    (:func:`~onnxdiag.model.expose.bn_as_depthwise_conv`: its activation then stays fused).
     """
     tensors, linear = _tensors(chosen, taps)
     exposed, _ = expose_channels_last(
         expose_tensors(model, [head.features, head.logits, *linear]), tensors,
         tag=STATS_TAG)  # its names are channels_last_name's, as _stats_names gives them
+    if cpu:
+        exposed, _ = bn_as_depthwise_conv(exposed, tensors)
     return (exposed, *_stats_names(tensors, linear, head))
 
 
 STATS_TAG = "stats_channels_last"
+
+
+def _on_cpu(providers) -> bool:
+    """Whether a session for ``providers`` runs on ONNX Runtime's CPU provider alone."""
+    return resolve_providers(providers) == ["CPUExecutionProvider"]
 
 
 def _tensors(chosen, taps: dict) -> tuple[dict, list]:
@@ -225,7 +240,7 @@ def make_stats_runner(model, structure, settings: StatsSettings | None = None, *
     settings = StatsSettings.of(settings, **fields)
     chosen = find_analysed_layers(structure, settings.layers)
     taps = choose_taps(model, chosen, settings.tap, settings.task_samples, settings.n_positions)
-    exposed, _, _ = _stats_model(model, chosen, structure.head, taps)
+    exposed, _, _ = _stats_model(model, chosen, structure.head, taps, cpu=_on_cpu(providers))
     if threads is None:
         threads = session_threads(structure, chosen, settings.n_positions)
     return StatsRunner(exposed, providers=providers, threads=threads or None)

@@ -146,3 +146,70 @@ def _fill_missing_output_types(model: onnx.ModelProto) -> None:
         kind = out.type.WhichOneof("value")
         if kind in (None, "tensor_type") and not out.type.tensor_type.elem_type:
             out.type.tensor_type.elem_type = onnx.TensorProto.FLOAT
+
+
+#: Readers of a BatchNormalization output before which :func:`bn_as_depthwise_conv`
+#: rewrites it: activations ONNX Runtime's CPU optimiser fuses into a Conv ahead of its
+#: blocked (NCHWc) layout pass, but not into the Conv it makes of a BatchNormalization
+#: during that pass (ReLU6 as Clip: MobileNet-class nets). A Relu stays in the layout
+#: either way (ResNets: no change measured, benchmarks/RESULTS.md).
+UNFUSED_AFTER_BN = ("Clip",)
+
+
+def bn_as_depthwise_conv(model: onnx.ModelProto, tensors) -> tuple[onnx.ModelProto, list[str]]:
+    """A copy of ``model`` in which every inference BatchNormalization reading one of
+    ``tensors`` (exposed conv outputs, NC… of rank ≥ 3) whose output's sole reader is an
+    :data:`UNFUSED_AFTER_BN` activation is a 1×1 depthwise Conv computing the same affine
+    map (weight s_c = γ_c/√(σ²_c + ε), bias β_c − μ_c·s_c, from float32 parameters in
+    float64, stored in float32), with the BN's name and output; and the names rewritten.
+
+    Why: exposing a conv output keeps ONNX Runtime from folding its BatchNormalization
+    into the conv. On CPU it then makes that BN a depthwise Conv of its blocked layout
+    only after its activation fusions, so a following Clip leaves the layout and every
+    such tensor is reordered out and back in (on a 224×224 MobileNetV2: 29 Clips, 28
+    extra reorders in and 29 out; the exposed session 2.0× plain instead of 1.6×). As a
+    Conv from the start, Conv + Clip fuse and stay in the layout. The model's outputs
+    change by float32 rounding only; the exposed tensors themselves are the convs'
+    outputs, unchanged. Returns ``model`` itself (and []) when there is nothing to
+    rewrite; never modifies ``model``."""
+    from onnx import helper, numpy_helper
+
+    from ..graph.index import get_attr
+
+    graph = model.graph
+    readers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    inits = {i.name: i for i in graph.initializer}
+    plan = {}
+    for i, node in enumerate(graph.node):
+        if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx") \
+                or node.input[0] not in tensors or len(node.input) != 5 \
+                or any(node.output[1:]) or get_attr(node, "training_mode", 0) \
+                or get_attr(node, "spatial", 1) != 1:
+            continue
+        after = readers.get(node.output[0], [])
+        params = [inits.get(name) for name in node.input[1:]]
+        if len(after) != 1 or after[0].op_type not in UNFUSED_AFTER_BN \
+                or any(p is None or p.data_type != onnx.TensorProto.FLOAT or len(p.dims) != 1
+                       for p in params):
+            continue
+        plan[i] = [numpy_helper.to_array(p).astype("float64") for p in params]
+    if not plan:
+        return model, []
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    nodes = list(out.graph.node)
+    for i, (scale, shift, mean, var) in plan.items():
+        bn, rank = nodes[i], tensors[nodes[i].input[0]]
+        s = scale / (var + get_attr(bn, "epsilon", 1e-5)) ** 0.5
+        w, b = f"onnxdiag_bn_conv_{i}_weight", f"onnxdiag_bn_conv_{i}_bias"
+        out.graph.initializer.extend([
+            numpy_helper.from_array(s.astype("float32").reshape(len(s), *[1] * (rank - 1)), w),
+            numpy_helper.from_array((shift - mean * s).astype("float32"), b)])
+        nodes[i] = helper.make_node("Conv", [bn.input[0], w, b], [bn.output[0]], name=bn.name,
+                                    group=len(s), kernel_shape=[1] * (rank - 2))
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out, [nodes[i].name for i in plan]
