@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A MobileNetV2-class export at deployment resolution for the benchmarks (issue 20), in plain torch.
+"""A MobileNetV2-class export at 224×224 for the benchmarks (issue 20), in plain torch.
 
     python benchmarks/mobilenetv2.py OUT_DIR [--width 1.0] [--size 224] [--n-calib 64]
 
@@ -23,7 +23,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-
 from resnet50 import export
 
 #: (expansion t, output channels c, repeats n, first stride s) per stage, as torchvision.
@@ -101,7 +100,7 @@ def make(out: Path, width: float = 1.0, size: int = 224, n_calib: int = 64) -> P
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--width", type=float, default=1.0)
     ap.add_argument("--size", type=int, default=224)

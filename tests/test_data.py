@@ -280,6 +280,33 @@ def test_nan_names_first_bad_sample_in_arrays_and_streams():
     assert open_data({"input": x}, SPEC, limit=5).n_samples == 5
 
 
+@pytest.mark.parametrize("chunk_bytes", [64 << 20, 100])
+def test_value_check_flags_exactly_the_samples_a_full_cast_flags(monkeypatch, chunk_bytes):
+    """The value check decides from each chunk's extremes; against a brute-force cast of
+    every selected value: float64 data with NaN, ±inf or a value beyond float32 at random
+    places, contiguous, reversed and shuffled row selections, chunks of 100 bytes (one
+    row each) or many rows. It fails exactly when a selected value is not finite as
+    float32, naming the first such sample of the selection."""
+    from onnxdiag.data import feeds
+
+    monkeypatch.setattr(feeds, "_CHUNK_BYTES", chunk_bytes)
+    rng = np.random.default_rng(5)
+    spec = [InputSpec("input", (None, 1, 4, 4), F32)]
+    for trial in range(60):
+        x = rng.normal(size=(12, 1, 4, 4)) * 1e3
+        for _ in range(trial % 3):
+            x.flat[rng.integers(x.size)] = rng.choice([np.nan, np.inf, -np.inf, 1e39, -4e38])
+        rows = [np.arange(12), np.arange(3, 9), np.arange(12)[::-1],
+                rng.permutation(12)[:7]][trial % 4]
+        with np.errstate(over="ignore"):
+            bad = ~np.isfinite(x[rows].astype(np.float32)).reshape(len(rows), -1).all(axis=1)
+        if not bad.any():
+            feeds.check_values({"input": x}, spec, rows)
+            continue
+        with pytest.raises(DataError, match=f"at sample {rows[np.argmax(bad)]} "):
+            feeds.check_values({"input": x}, spec, rows)
+
+
 def test_file_errors(tmp_path):
     assert "Data path" in error_of(tmp_path / "missing.npz", SPEC)
     assert "does not exist" in error_of(tmp_path / "missing.npz", SPEC)

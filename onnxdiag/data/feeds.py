@@ -18,6 +18,7 @@ from ..errors import DataError
 Piece = tuple  # (dict[str, np.ndarray], np.ndarray | None, np.ndarray)
 
 _CHUNK = 4096  # rows per value scan of in-memory arrays
+_CHUNK_BYTES = 64 << 20  # and at most this many bytes per scan (one row at least)
 
 
 def format_spec(spec) -> str:
@@ -184,14 +185,38 @@ def check_values(
 
     ``indices`` index ``arrays``' axis 0 and name the samples in messages.
     """
-    for start in range(0, len(indices), _CHUNK):
-        rows = indices[start:start + _CHUNK]
-        for spec in inputs:
-            _check_rows(spec, arrays[spec.name][rows], rows, where)
+    indices = np.asarray(indices)
+    for spec in inputs:
+        array = arrays[spec.name]
+        row_bytes = max(1, array[:1].nbytes)
+        step = int(np.clip(_CHUNK_BYTES // row_bytes, 1, _CHUNK))
+        for start in range(0, len(indices), step):
+            rows = indices[start:start + step]
+            _check_rows(spec, _take_rows(array, rows), rows, where)
+
+
+def _take_rows(array, rows: np.ndarray):
+    """``array[rows]``: a view when ``rows`` is an ascending run of consecutive indices."""
+    if len(rows) and rows[-1] - rows[0] == len(rows) - 1 and (np.diff(rows) == 1).all():
+        return array[int(rows[0]):int(rows[-1]) + 1]
+    return array[rows]
+
+
+def _finite_after_cast(rows: np.ndarray, target: np.dtype) -> bool:
+    """Every value of ``rows`` is finite as ``target`` (a float dtype), from its extremes
+    alone: min / max propagate NaN, and the cast is monotone, so no value overflows unless
+    an extreme does. No temporary the size of ``rows``."""
+    if not rows.size:
+        return True
+    with np.errstate(over="ignore", invalid="ignore"):
+        ends = np.array([rows.min(), rows.max()]).astype(target)
+    return bool(np.isfinite(ends).all())
 
 
 def _check_rows(spec, rows: np.ndarray, indices: np.ndarray, where: str) -> None:
     target = np.dtype(spec.dtype)
+    if target.kind == "f" and rows.dtype.kind in "fiub" and _finite_after_cast(rows, target):
+        return
     if target.kind == "f":
         with np.errstate(over="ignore", invalid="ignore"):
             bad = ~np.isfinite(rows.astype(target, copy=False))
