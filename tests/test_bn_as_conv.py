@@ -145,3 +145,38 @@ def test_channel_statistics_are_those_of_the_graph_as_exported():
         if name == first:
             c = chosen[0].n_out
             np.testing.assert_array_equal(lm.task.cov()[:c, :c], other.task.cov()[:c, :c])
+
+
+def test_the_rr_capture_keeps_every_relu6_fused_with_the_same_curves(monkeypatch):
+    """The RR capture exposes the layers' pre-BN outputs for the repairs' dense moments; on
+    CPU its BNs before a ReLU6 run as depthwise Convs (no standalone Clip in ONNX Runtime's
+    graph), and the curves and moments equal those of the capture without the rewrite to
+    float32 rounding."""
+    from onnxdiag.graph import GraphIndex
+    from onnxdiag.sparsity import DEFAULT_GRID, compute_rr_curves, find_prunable, rr_capture
+    from onnxdiag.sparsity.rr_layer import plan_layer
+
+    model = model_io.load_model(corpus.depthwise_pointwise())
+    layers = find_prunable(analyze_structure(model))
+    index = GraphIndex(model)
+    plans = [plan_layer(index, la, DEFAULT_GRID) for la in layers]
+    cap = rr_capture.capture_session(model, index, layers, plans, 16, 0, "cpu", None,
+                                     outputs=[la.output for la in layers])
+    assert any(n.name == "dw_bn" and n.op_type == "Conv" for n in cap.runner._model.graph.node)
+    assert _ort_ops(cap.runner._model)["Clip"] == 0
+    feeds = [corpus.random_feeds(model, batch=12, seed=s, size=9) for s in range(3)]
+
+    def curves():
+        return compute_rr_curves(model, layers, feeds, n_images=36, output_moments=True,
+                                 providers="cpu")
+
+    new = curves()
+    monkeypatch.setattr(rr_capture, "bn_as_depthwise_conv", lambda graph, tensors: (graph, []))
+    old = curves()
+    for field in ("d_raw", "d_repair", "rr"):
+        np.testing.assert_allclose(getattr(new, field), getattr(old, field), rtol=1e-5,
+                                   atol=1e-9, err_msg=field)
+    for name, m in old.output_moments.items():
+        other, scale = new.output_moments[name], np.sqrt(m.var())
+        assert other.n == m.n and np.abs(other.mean - m.mean).max() < 1e-5 * scale.max()
+        np.testing.assert_allclose(other.var(), m.var(), rtol=1e-5, err_msg=name)

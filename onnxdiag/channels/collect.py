@@ -28,7 +28,7 @@ from ..model.expose import (
     expose_tensors,
 )
 from ..runtime.executor import wants_gpu
-from ..runtime.runner import OrtRunner, resolve_providers, single_threaded_blas
+from ..runtime.runner import OrtRunner, cpu_only, single_threaded_blas
 from ..selection.probe import resolve_targets
 from . import shards
 from .moments import BatchFolder, ChannelStats, LayerMoments
@@ -141,7 +141,7 @@ def collect_channel_moments(model, structure, source, settings: StatsSettings | 
     taps = choose_taps(model, chosen, settings.tap, settings.task_samples, settings.n_positions)
     if runner is None:
         exposed, names, fetch = _stats_model(model, chosen, structure.head, taps,
-                                             cpu=_on_cpu(providers))
+                                             cpu=cpu_only(providers))
         threads = session_threads(structure, chosen, settings.n_positions) if overlap else None
         runner = StatsRunner(exposed, providers=providers, threads=threads)
     else:  # the names alone: building the exposed model cost 10 % of a pass on 52 layers
@@ -204,11 +204,6 @@ def _stats_model(model, chosen, head, taps: dict, cpu: bool = True) -> tuple:
 STATS_TAG = "stats_channels_last"
 
 
-def _on_cpu(providers) -> bool:
-    """Whether a session for ``providers`` runs on ONNX Runtime's CPU provider alone."""
-    return resolve_providers(providers) == ["CPUExecutionProvider"]
-
-
 def _tensors(chosen, taps: dict) -> tuple[dict, list]:
     """({conv tensor the pass reads: its rank}, [linear layers' tensors])."""
     tensors, linear = {}, []
@@ -240,7 +235,7 @@ def make_stats_runner(model, structure, settings: StatsSettings | None = None, *
     settings = StatsSettings.of(settings, **fields)
     chosen = find_analysed_layers(structure, settings.layers)
     taps = choose_taps(model, chosen, settings.tap, settings.task_samples, settings.n_positions)
-    exposed, _, _ = _stats_model(model, chosen, structure.head, taps, cpu=_on_cpu(providers))
+    exposed, _, _ = _stats_model(model, chosen, structure.head, taps, cpu=cpu_only(providers))
     if threads is None:
         threads = session_threads(structure, chosen, settings.n_positions)
     return StatsRunner(exposed, providers=providers, threads=threads or None)

@@ -185,7 +185,7 @@ def bn_as_depthwise_conv(model: onnx.ModelProto, tensors) -> tuple[onnx.ModelPro
     plan = {}
     for i, node in enumerate(graph.node):
         if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx") \
-                or node.input[0] not in tensors or len(node.input) != 5 \
+                or tensors.get(node.input[0], 0) < 3 or len(node.input) != 5 \
                 or any(node.output[1:]) or get_attr(node, "training_mode", 0) \
                 or get_attr(node, "spatial", 1) != 1:
             continue

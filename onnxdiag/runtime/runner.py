@@ -95,6 +95,12 @@ def resolve_providers(requested: Sequence[str] | str | None = None) -> list[str]
     return chosen
 
 
+def cpu_only(providers) -> bool:
+    """Whether a session for ``providers`` (as :func:`resolve_providers` takes them) runs on
+    ONNX Runtime's CPU provider alone."""
+    return resolve_providers(providers) == ["CPUExecutionProvider"]
+
+
 class OrtRunner:
     """One ONNX Runtime inference session over a model (never modified).
 

@@ -18,11 +18,11 @@ import numpy as np
 
 from ..errors import DataError
 from ..graph import GraphIndex
-from ..model.expose import expose_channels_last, expose_tensors
+from ..model.expose import bn_as_depthwise_conv, expose_channels_last, expose_tensors
 from ..runtime.batching import batch_len
 from ..runtime.bound import BOUND_ROWS, BoundRunner
 from ..runtime.progress import progress
-from ..runtime.runner import OrtRunner
+from ..runtime.runner import OrtRunner, cpu_only
 from .fold import output_moments
 from .ls_columns import channel_major_columns, conv_geometry, expose_columns, index_feeds
 from .offline import sampled_columns
@@ -72,6 +72,8 @@ def capture_session(model, index: GraphIndex, layers, plans, positions, seed: in
     last = {}
     if last_of:  # sampled convs gather C-vectors from a channels-last copy
         graph, last = expose_channels_last(graph, last_of, tag="rr_channels_last")
+    if cpu_only(providers):  # an exposed conv's BN before a ReLU6: keep the Clip fused
+        graph, _ = bn_as_depthwise_conv(graph, {t: len(index.shape(t) or ()) for t in outputs})
     # threads sleep between batches: each batch's folding (NumPy, BLAS) needs the cores
     runner = OrtRunner(graph, providers=providers, threads=threads, spinning=False)
     fetch = list(dict.fromkeys([*names.values(), *last.values()]))
