@@ -214,8 +214,6 @@ def peak_memory(model_path: str, data: str | None, n: int, batch_size: int) -> f
 
 
 def memory_child(model_path: str, data: str | None, n: int, batch_size: int) -> None:
-    import resource
-
     from benchmarks.bench_core import BatchStream
     from onnxdiag.channels.collect import collect_channel_moments
     from onnxdiag.data.source import open_data
@@ -230,7 +228,21 @@ def memory_child(model_path: str, data: str | None, n: int, batch_size: int) -> 
     source = open_data(BatchStream(base, labels, n, batch_size), get_input_specs(model),
                        batch_size=batch_size)
     collect_channel_moments(model, structure, source)
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    print(peak_rss_kib())
+
+
+def peak_rss_kib() -> int:
+    """This process's peak RSS in KiB since it started its program: /proc's VmHWM (the
+    high-water mark of its own memory map, new at exec). ``ru_maxrss`` is not: it keeps the
+    peak from before exec, i.e. the spawning parent's RSS, which the children of a run
+    with passes (GBs) would report as their own. ``ru_maxrss`` off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def main(argv=None) -> int:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,3 +189,15 @@ def test_mobilenetv2_builder_smoke_exports_an_inverted_residual_net(tmp_path):
         ref = mobilenetv2.build(0.25)(torch.from_numpy(x)).numpy()
     assert got.shape == (8, 1000)
     np.testing.assert_allclose(got, ref, rtol=1e-3, atol=1e-4)
+
+
+def test_the_statistics_memory_child_reports_its_own_peak_not_its_parents(tmp_path):
+    """``bench_passes.py``'s peak-memory children print their own high-water mark: spawned
+    from a process holding 600 MiB, a child that holds little reports far less (the
+    ``ru_maxrss`` it used to print keeps the parent's RSS from before exec)."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import bench_passes; "
+            "print(bench_passes.peak_rss_kib())")
+    held = np.ones(600 * 2**20 // 8)  # touched: the parent's RSS is now above 600 MiB
+    out = subprocess.run([sys.executable, "-c", code, str(BENCH)], capture_output=True,
+                         text=True, check=True).stdout
+    assert held.sum() > 0 and int(out) < 300 * 1024, out
