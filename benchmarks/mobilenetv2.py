@@ -18,12 +18,9 @@ width-1/4, 64×64 net in seconds.
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
-import numpy as np
-from resnet50 import export
+from resnet50 import main, randomise_bn
 
 #: (expansion t, output channels c, repeats n, first stride s) per stage, as torchvision.
 SETTINGS = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
@@ -77,41 +74,8 @@ def build(width: float = 1.0, n_classes: int = 1000):
             return self.fc(torch.flatten(self.features(x).mean(dim=(2, 3)), 1))
 
     torch.manual_seed(0)
-    net = MobileNetV2()
-    with torch.no_grad():
-        for m in net.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                m.running_mean.uniform_(-0.1, 0.1)
-                m.running_var.uniform_(0.5, 2.0)
-                m.weight.uniform_(0.5, 1.0)
-                m.bias.uniform_(-0.1, 0.1)
-    return net.eval()
-
-
-def make(out: Path, width: float = 1.0, size: int = 224, n_calib: int = 64) -> Path:
-    """OUT/model.onnx and OUT/calib.npz (see the module docstring); returns the model path."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "model.onnx"
-    export(build(width), path, size)
-    rng = np.random.default_rng(0)
-    np.savez(out / "calib.npz", input=rng.random((n_calib, 3, size, size), np.float32),
-             labels=rng.integers(0, 1000, n_calib))
-    return path
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--width", type=float, default=1.0)
-    ap.add_argument("--size", type=int, default=224)
-    ap.add_argument("--n-calib", type=int, default=64)
-    ap.add_argument("--smoke", action="store_true", help="width 1/4, 64×64, 8 images")
-    args = ap.parse_args(argv)
-    if args.smoke:
-        args.width, args.size, args.n_calib = 0.25, 64, 8
-    print(make(args.out, args.width, args.size, args.n_calib))
-    return 0
+    return randomise_bn(MobileNetV2())
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(build=build, smoke_width=0.25, doc=__doc__))

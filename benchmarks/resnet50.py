@@ -68,10 +68,17 @@ def build(width: float = 1.0, n_classes: int = 1000):
             return self.fc(torch.flatten(x.mean(dim=(2, 3)), 1))
 
     torch.manual_seed(0)
-    net = ResNet50()
+    return randomise_bn(ResNet50())
+
+
+def randomise_bn(net):
+    """``net`` in eval mode with random BN statistics and affine (not the identity), from
+    torch's current seed."""
+    import torch
+
     with torch.no_grad():
         for m in net.modules():
-            if isinstance(m, nn.BatchNorm2d):
+            if isinstance(m, torch.nn.BatchNorm2d):
                 m.running_mean.uniform_(-0.1, 0.1)
                 m.running_var.uniform_(0.5, 2.0)
                 m.weight.uniform_(0.5, 1.0)
@@ -92,8 +99,10 @@ def export(net, path: Path, size: int) -> None:
                           dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}})
 
 
-def make(out: Path, width: float = 1.0, size: int = 224, n_calib: int = 64) -> Path:
-    """OUT/model.onnx and OUT/calib.npz (see the module docstring); returns the model path."""
+def make(out: Path, width: float = 1.0, size: int = 224, n_calib: int = 64, *,
+         build=build) -> Path:
+    """OUT/model.onnx and OUT/calib.npz (see the module docstring) of ``build(width)``;
+    returns the model path."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / "model.onnx"
     export(build(width), path, size)
@@ -103,17 +112,19 @@ def make(out: Path, width: float = 1.0, size: int = 224, n_calib: int = 64) -> P
     return path
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+def main(argv=None, *, build=build, smoke_width: float = 1 / 16, doc: str = __doc__) -> int:
+    """The command line of this builder (and of benchmarks/mobilenetv2.py's)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--width", type=float, default=1.0)
     ap.add_argument("--size", type=int, default=224)
     ap.add_argument("--n-calib", type=int, default=64)
-    ap.add_argument("--smoke", action="store_true", help="width 1/16, 64×64, 8 images")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"width {smoke_width:g}, 64×64, 8 images")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.width, args.size, args.n_calib = 1 / 16, 64, 8
-    print(make(args.out, args.width, args.size, args.n_calib))
+        args.width, args.size, args.n_calib = smoke_width, 64, 8
+    print(make(args.out, args.width, args.size, args.n_calib, build=build))
     return 0
 
 

@@ -132,61 +132,36 @@ def test_study_scripts_parse_their_options(script):
     assert "--zoo" in result.stdout
 
 
-def test_resnet50_builder_smoke_exports_a_bottleneck_resnet(tmp_path):
+@pytest.mark.parametrize("script, width, n_depthwise", [("resnet50", 1 / 16, 0),
+                                                         ("mobilenetv2", 0.25, 17)])
+def test_full_size_builders_smoke_export_what_torch_computes(tmp_path, script, width,
+                                                             n_depthwise):
     """``benchmarks/resnet50.py --smoke`` exports a plain-torch bottleneck ResNet (53 convs:
-    a stem, 16 blocks of 3, 4 projections; one linear head) that ONNX Runtime runs on its
-    calibration file, and whose torch outputs it reproduces."""
+    a stem, 16 blocks of 3, 4 projections; one linear head), ``benchmarks/mobilenetv2.py
+    --smoke`` a MobileNetV2 (52 convs: a stem, 17 inverted residual blocks — the first
+    without expansion — and the last 1×1; 17 of them depthwise). ONNX Runtime runs each on
+    its calibration file and reproduces its torch outputs."""
     if importlib.util.find_spec("torch") is None:
         pytest.skip("needs torch")
-    res = _run([sys.executable, str(BENCH / "resnet50.py"), str(tmp_path), "--smoke"])
+    res = _run([sys.executable, str(BENCH / f"{script}.py"), str(tmp_path), "--smoke"])
     assert res.returncode == 0, res.stderr[-2000:]
-    import numpy as np
     import onnx
     import onnxruntime as ort
     import torch
 
     sys.path.insert(0, str(BENCH))
-    import resnet50
-
-    model = onnx.load(str(tmp_path / "model.onnx"))
-    assert sum(n.op_type == "Conv" for n in model.graph.node) == 53
-    x = np.load(tmp_path / "calib.npz")["input"]
-    assert x.shape == (8, 3, 64, 64)
-    sess = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
-    got = sess.run(None, {"input": x})[0]
-    with torch.no_grad():
-        ref = resnet50.build(1 / 16)(torch.from_numpy(x)).numpy()
-    assert got.shape == (8, 1000)
-    np.testing.assert_allclose(got, ref, rtol=1e-3, atol=1e-4)
-
-
-def test_mobilenetv2_builder_smoke_exports_an_inverted_residual_net(tmp_path):
-    """``benchmarks/mobilenetv2.py --smoke`` exports a plain-torch MobileNetV2 (52 convs:
-    a stem, 17 inverted residual blocks — the first without expansion — and the last 1×1;
-    17 of them depthwise) that ONNX Runtime runs on its calibration file, and whose torch
-    outputs it reproduces."""
-    if importlib.util.find_spec("torch") is None:
-        pytest.skip("needs torch")
-    res = _run([sys.executable, str(BENCH / "mobilenetv2.py"), str(tmp_path), "--smoke"])
-    assert res.returncode == 0, res.stderr[-2000:]
-    import numpy as np
-    import onnx
-    import onnxruntime as ort
-    import torch
-
-    sys.path.insert(0, str(BENCH))
-    import mobilenetv2
-
+    builder = importlib.import_module(script)
     model = onnx.load(str(tmp_path / "model.onnx"))
     convs = [n for n in model.graph.node if n.op_type == "Conv"]
     groups = [next((a.i for a in n.attribute if a.name == "group"), 1) for n in convs]
-    assert len(convs) == 52 and sum(g > 1 for g in groups) == 17
+    assert len(convs) == (53 if script == "resnet50" else 52)
+    assert sum(g > 1 for g in groups) == n_depthwise
     x = np.load(tmp_path / "calib.npz")["input"]
     assert x.shape == (8, 3, 64, 64)
     sess = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
     got = sess.run(None, {"input": x})[0]
     with torch.no_grad():
-        ref = mobilenetv2.build(0.25)(torch.from_numpy(x)).numpy()
+        ref = builder.build(width)(torch.from_numpy(x)).numpy()
     assert got.shape == (8, 1000)
     np.testing.assert_allclose(got, ref, rtol=1e-3, atol=1e-4)
 
