@@ -208,7 +208,8 @@ def _tensors(chosen, taps: dict) -> tuple[dict, list]:
     """({conv tensor the pass reads: its rank}, [linear layers' tensors])."""
     tensors, linear = {}, []
     for la in chosen:
-        tensor = la.input if isinstance(taps[la.node_name], InputTap) else la.output
+        tap = taps[la.node_name]
+        tensor = tap.reads(la) if isinstance(tap, InputTap) else la.output
         if la.op_type.startswith("Conv"):
             tensors[tensor] = len(la.kernel) + 2
         else:

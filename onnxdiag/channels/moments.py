@@ -194,7 +194,7 @@ class BatchFolder:
         for la in self.chosen:
             tap, acc = self.taps[la.node_name], self.acc[la.node_name]
             if isinstance(tap, InputTap):
-                samples = tap.samples(out[self.names[la.input]], batch.indices,
+                samples = tap.samples(out[self.names[tap.reads(la)]], batch.indices,
                                       s.n_positions, s.seed)
                 _fold_rows(acc.task, samples, both, samples.shape[0] // len(t), self.buffers)
                 acc.n_images += len(t)

@@ -19,6 +19,12 @@ import numpy as np
 from ..errors import OnnxDiagError
 
 TAPS = ("auto", "output", "input")
+#: A derived input tap's float64 work (k·C_in/groups·Πkernel·C_out per image) at most this
+#: share of its output's values (**our default**): the fold then does that work, plus the
+#: gather and the BN + activation of the patches, on the thread that overlaps ONNX
+#: Runtime, so it pays only where the exposure it saves is far larger
+#: (benchmarks/RESULTS.md).
+DERIVE_SHARE = 1 / 16
 
 
 @dataclass(frozen=True)
@@ -35,16 +41,52 @@ class InputTap:
     matrix: np.ndarray
     bias: np.ndarray | None
 
-    def samples(self, x_last: np.ndarray, indices, n_positions: int, seed: int) -> np.ndarray:
+    def reads(self, layer) -> str:
+        """The tensor whose channels-last copy the pass exposes for this tap."""
+        return layer.input
+
+    def samples(self, x_last: np.ndarray, indices, n_positions: int, seed: int,
+                transform=None) -> np.ndarray:
         """Rows (n·k, C_out) at the positions :func:`draw_positions` gives the output."""
         from ..sparsity.offline import apply_columns, sampled_columns
 
         cols = sampled_columns(self.op, np.moveaxis(x_last, -1, 1), self.kernel, n_positions,
-                               seed=seed, sample_indices=indices, x_last=x_last)
+                               seed=seed, sample_indices=indices, x_last=x_last,
+                               transform=transform)
         y = apply_columns(cols.astype(np.float64), self.matrix)
         if self.bias is not None:
             y += self.bias
         return y
+
+
+@dataclass(frozen=True)
+class DerivedInputTap(InputTap):
+    """An :class:`InputTap` whose input is not exposed but computed at the sampled patches
+    from ``source``, another analysed layer's exposed output: the conv's input is
+    act(``scale``·source + ``shift``) per channel (an inference BatchNormalization, then a
+    Clip to [``lo``, ``hi``], a Relu (0, inf) or nothing), as a MobileNet's depthwise conv
+    reads its expansion conv's output. The conv's own output is then not exposed at all
+    (its BatchNormalization and activation stay fused in ONNX Runtime). The map runs in
+    float32 on the gathered values, the conv in float64: the output tap's samples to
+    float32 rounding."""
+
+    source: str = ""
+    scale: np.ndarray | None = None
+    shift: np.ndarray | None = None
+    lo: float = -np.inf
+    hi: float = np.inf
+
+    def reads(self, layer) -> str:
+        return self.source
+
+    def samples(self, x_last: np.ndarray, indices, n_positions: int, seed: int,
+                transform=None) -> np.ndarray:
+        return super().samples(x_last, indices, n_positions, seed, transform=self._input)
+
+    def _input(self, y: np.ndarray) -> np.ndarray:
+        x = np.asarray(y, np.float32) * self.scale.astype(np.float32)
+        x += self.shift.astype(np.float32)
+        return np.clip(x, self.lo, self.hi, out=x)
 
 
 @dataclass(frozen=True)
@@ -117,7 +159,70 @@ def choose_taps(model, chosen, tap: str = "auto", task_samples: str = "match",
             if tap == "input":
                 raise
             taps[la.node_name] = "output"
+    if tap == "auto" and task_samples == "match":
+        from ..graph import GraphIndex
+
+        _derive_taps(index or GraphIndex(model), chosen, taps, n_positions)
     return taps
+
+
+def _derive_taps(index, chosen, taps: dict, n_positions: int) -> None:
+    """In place: an output-tapped 2-D conv whose input is act(BN(y)) of another
+    output-tapped layer's output y gets a :class:`DerivedInputTap` where its float64 work
+    at the sampled positions is at most one pass over its output (typically a depthwise
+    conv on a large map). y's layer then keeps its output tap, so of two such layers in a
+    row only one is derived: the candidates are taken largest output first."""
+    exposed = {la.output for la in chosen if taps[la.node_name] == "output"}
+    candidates = []
+    for la in chosen:
+        if taps[la.node_name] != "output" or la.op_type != "Conv" or len(la.kernel) != 2 \
+                or _input_tap_obstacle(la, "match") \
+                or not _float64_is_cheap(la, n_positions, DERIVE_SHARE):
+            continue
+        chain = _bn_act_chain(index, la.input)
+        if chain is not None and chain[0] in exposed and chain[0] != la.output:
+            candidates.append((la, chain))
+    derived: set[str] = set()  # outputs no longer exposed
+    pinned: set[str] = set()  # outputs a derived tap reads
+    for la, chain in sorted(candidates, key=lambda c: -int(np.prod(c[0].output_shape[1:]))):
+        if la.output in pinned or chain[0] in derived:
+            continue
+        base = _input_tap(index, la)
+        taps[la.node_name] = DerivedInputTap(base.op, base.kernel, base.matrix, base.bias,
+                                             *chain)
+        derived.add(la.output)
+        pinned.add(chain[0])
+
+
+def _bn_act_chain(index, tensor: str):
+    """(y, scale, shift, lo, hi) when ``tensor`` = act(BN(y)): an inference
+    BatchNormalization with constant parameters, then a Clip with constant bounds, a Relu,
+    or nothing; else None."""
+    from ..graph.index import get_attr
+
+    node = index.producer.get(tensor)
+    lo, hi = -np.inf, np.inf
+    if node is not None and node.op_type == "Relu":
+        lo, node = 0.0, index.producer.get(node.input[0])
+    elif node is not None and node.op_type == "Clip":
+        bounds = []
+        for i, attr, default in ((1, "min", -np.inf), (2, "max", np.inf)):
+            name = node.input[i] if len(node.input) > i else ""
+            value = index.get_constant(name) if name else get_attr(node, attr, default)
+            if value is None or np.size(value) != 1:
+                return None
+            bounds.append(float(np.asarray(value).reshape(())))
+        (lo, hi), node = bounds, index.producer.get(node.input[0])
+    if node is None or node.op_type != "BatchNormalization" or len(node.input) != 5 \
+            or any(node.output[1:]) or get_attr(node, "training_mode", 0) \
+            or get_attr(node, "spatial", 1) != 1:
+        return None
+    params = [index.get_constant(name) for name in node.input[1:]]
+    if any(p is None or np.ndim(p) != 1 for p in params):
+        return None
+    gamma, beta, mean, var = (np.asarray(p, np.float64) for p in params)
+    scale = gamma / np.sqrt(var + get_attr(node, "epsilon", 1e-5))
+    return node.input[0], scale, beta - mean * scale, lo, hi
 
 
 def tap_names(taps: dict) -> dict[str, str]:
@@ -138,16 +243,25 @@ def _input_tap_obstacle(la, task_samples: str) -> str | None:
 
 
 def _input_is_cheaper(la, n_positions: int) -> bool:
+    if not _float64_is_cheap(la, n_positions):
+        return False
+    linear = la.op_type in ("Gemm", "MatMul")
+    out_spatial = int(np.prod(la.output_shape[1:-1] if linear else la.output_shape[2:]))
+    return 4 * int(np.prod(la.input_shape[1:])) <= la.n_out * out_spatial
+
+
+def _float64_is_cheap(la, n_positions: int, share: float = 1.0) -> bool:
+    """The layer at its sampled positions from its input (k·C_in/groups·Πkernel·C_out
+    multiply-adds per image) costs at most ``share`` of one pass over its output (False:
+    sizes unknown)."""
     if not la.input_shape or not la.output_shape or not all(
             isinstance(d, int) for d in (*la.input_shape[1:], *la.output_shape[1:])):
         return False  # unknown sizes: keep the output
-    in_values = int(np.prod(la.input_shape[1:]))
     linear = la.op_type in ("Gemm", "MatMul")
     out_spatial = int(np.prod(la.output_shape[1:-1] if linear else la.output_shape[2:]))
-    out_values = la.n_out * out_spatial
     macs = min(n_positions, out_spatial) * (la.n_in // la.groups) * int(np.prod(la.kernel)) \
         * la.n_out
-    return 4 * in_values <= out_values and macs <= out_values
+    return macs <= share * la.n_out * out_spatial
 
 
 def _input_tap(index, la) -> InputTap:

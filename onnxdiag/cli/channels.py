@@ -48,7 +48,9 @@ def _targets_option(help: str):
               help="Where a layer's samples come from: its output as ONNX Runtime computes "
                    "it, or the layer evaluated in float64 at the sampled positions from its "
                    "input; auto = input where that copies far fewer values out of the session "
-                   "(e.g. a first conv on a grey image).")
+                   "(e.g. a first conv on a grey image), or where the input is BN + "
+                   "activation of another analysed layer's output (a MobileNet's depthwise "
+                   "conv: computed from that output, its own not exposed).")
 @click.option("--triplet-partners", type=click.IntRange(min=2), default=10, show_default=True,
               help="Higher-order structure by depth: triplets among each channel's most "
                    "correlated partners (docs/METHODS.md §B4).")

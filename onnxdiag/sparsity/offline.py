@@ -121,7 +121,8 @@ def apply_columns(cols: np.ndarray, matrix: np.ndarray) -> np.ndarray:
 
 
 def sampled_columns(op, x: np.ndarray, kernel: tuple[int, ...], positions: int | None, *,
-                    seed: int, sample_indices, x_last: np.ndarray | None = None) -> np.ndarray:
+                    seed: int, sample_indices, x_last: np.ndarray | None = None,
+                    transform=None) -> np.ndarray:
     """Columns ``(n·k, groups, K)`` of a conv at k sampled output positions per image.
 
     Rows are image-major; image i's positions are ``draw_positions(Π out_spatial, positions,
@@ -132,6 +133,9 @@ def sampled_columns(op, x: np.ndarray, kernel: tuple[int, ...], positions: int |
     ``x_last``: the same input channels-last ``(n, *spatial, C)`` if at hand (ONNX Runtime
     transposes it during the capture pass, far faster than NumPy on a busy machine); each
     patch is then kh·kw gathered C-vectors, zero where it reaches into the padding.
+    ``transform``: an elementwise map of the input's values (arrays with the channels
+    last), applied before the padding: the columns are those of ``transform(x)``, computed
+    on the gathered values only (2-D convs with sampled positions).
     """
     if positions is None:
         return layer_columns(op, x, kernel)[0]
@@ -149,6 +153,8 @@ def sampled_columns(op, x: np.ndarray, kernel: tuple[int, ...], positions: int |
     ho, wo = (((size + p0 + p1 - sp) // st) + 1 for size, p0, p1, sp, st in zip(
         (h, w), pads[:2], pads[2:], span, op.stride))
     if ho * wo <= positions:
+        if transform is not None:
+            x = np.moveaxis(transform(np.moveaxis(x, 1, -1)), -1, 1)
         return conv_columns(op, x, kernel)[0]
     n, c = x.shape[:2]
     if x_last is None:
@@ -165,6 +171,8 @@ def sampled_columns(op, x: np.ndarray, kernel: tuple[int, ...], positions: int |
     rows = img * (h * w) + (np.clip(r, 0, h - 1) * w + np.clip(q, 0, w - 1)).reshape(
         r.shape[0], -1)
     patches = np.take(x_last, rows, axis=0)  # (m, kh·kw, C)
+    if transform is not None:
+        patches = transform(patches)
     if not inside.all():
         patches *= inside[..., None]
     m = rows.shape[0]
