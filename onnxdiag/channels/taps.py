@@ -168,11 +168,13 @@ def choose_taps(model, chosen, tap: str = "auto", task_samples: str = "match",
 
 def _derive_taps(index, chosen, taps: dict, n_positions: int) -> None:
     """In place: an output-tapped 2-D conv whose input is act(BN(y)) of another
-    output-tapped layer's output y gets a :class:`DerivedInputTap` where its float64 work
-    at the sampled positions is at most one pass over its output (typically a depthwise
-    conv on a large map). y's layer then keeps its output tap, so of two such layers in a
-    row only one is derived: the candidates are taken largest output first."""
-    exposed = {la.output for la in chosen if taps[la.node_name] == "output"}
+    output-tapped 2-D conv's output y gets a :class:`DerivedInputTap` where its float64
+    work at the sampled positions is at most ``DERIVE_SHARE`` of one pass over its output
+    (typically a depthwise conv on a large map). y's layer then keeps its output tap, so
+    of two such layers in a row only one is derived: the candidates are taken largest
+    output first."""
+    exposed = {la.output for la in chosen if taps[la.node_name] == "output"
+               and la.op_type == "Conv" and len(la.kernel) == 2}
     candidates = []
     for la in chosen:
         if taps[la.node_name] != "output" or la.op_type != "Conv" or len(la.kernel) != 2 \
