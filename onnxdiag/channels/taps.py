@@ -201,6 +201,7 @@ def _bn_act_chain(index, tensor: str):
     BatchNormalization with constant parameters, then a Clip with constant bounds, a Relu,
     or nothing; else None."""
     from ..graph.index import get_attr
+    from ..model.optimize import bn_affine
 
     node = index.producer.get(tensor)
     lo, hi = -np.inf, np.inf
@@ -215,16 +216,8 @@ def _bn_act_chain(index, tensor: str):
                 return None
             bounds.append(float(np.asarray(value).reshape(())))
         (lo, hi), node = bounds, index.producer.get(node.input[0])
-    if node is None or node.op_type != "BatchNormalization" or len(node.input) != 5 \
-            or any(node.output[1:]) or get_attr(node, "training_mode", 0) \
-            or get_attr(node, "spatial", 1) != 1:
-        return None
-    params = [index.get_constant(name) for name in node.input[1:]]
-    if any(p is None or np.ndim(p) != 1 for p in params):
-        return None
-    gamma, beta, mean, var = (np.asarray(p, np.float64) for p in params)
-    scale = gamma / np.sqrt(var + get_attr(node, "epsilon", 1e-5))
-    return node.input[0], scale, beta - mean * scale, lo, hi
+    affine = None if node is None else bn_affine(node, index.get_constant)
+    return None if affine is None else (node.input[0], *affine, lo, hi)
 
 
 def tap_names(taps: dict) -> dict[str, str]:

@@ -174,7 +174,7 @@ def bn_as_depthwise_conv(model: onnx.ModelProto, tensors) -> tuple[onnx.ModelPro
     rewrite; never modifies ``model``."""
     from onnx import helper, numpy_helper
 
-    from ..graph.index import get_attr
+    from .optimize import bn_affine
 
     graph = model.graph
     readers: dict[str, list] = {}
@@ -182,34 +182,35 @@ def bn_as_depthwise_conv(model: onnx.ModelProto, tensors) -> tuple[onnx.ModelPro
         for name in node.input:
             readers.setdefault(name, []).append(node)
     inits = {i.name: i for i in graph.initializer}
+
+    def float32_initializer(name):
+        init = inits.get(name)
+        return None if init is None or init.data_type != onnx.TensorProto.FLOAT \
+            else numpy_helper.to_array(init)
+
     plan = {}
     for i, node in enumerate(graph.node):
-        if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx") \
-                or tensors.get(node.input[0], 0) < 3 or len(node.input) != 5 \
-                or any(node.output[1:]) or get_attr(node, "training_mode", 0) \
-                or get_attr(node, "spatial", 1) != 1:
+        if node.op_type != "BatchNormalization" or tensors.get(node.input[0], 0) < 3:
             continue
         after = readers.get(node.output[0], [])
-        params = [inits.get(name) for name in node.input[1:]]
-        if len(after) != 1 or after[0].op_type not in UNFUSED_AFTER_BN \
-                or any(p is None or p.data_type != onnx.TensorProto.FLOAT or len(p.dims) != 1
-                       for p in params):
+        if len(after) != 1 or after[0].op_type not in UNFUSED_AFTER_BN:
             continue
-        plan[i] = [numpy_helper.to_array(p).astype("float64") for p in params]
+        affine = bn_affine(node, float32_initializer)
+        if affine is not None:
+            plan[i] = affine
     if not plan:
         return model, []
     out = onnx.ModelProto()
     out.CopyFrom(model)
     nodes = list(out.graph.node)
-    for i, (scale, shift, mean, var) in plan.items():
+    for i, (s, b) in plan.items():
         bn, rank = nodes[i], tensors[nodes[i].input[0]]
-        s = scale / (var + get_attr(bn, "epsilon", 1e-5)) ** 0.5
-        w, b = f"onnxdiag_bn_conv_{i}_weight", f"onnxdiag_bn_conv_{i}_bias"
+        w, bias = f"onnxdiag_bn_conv_{i}_weight", f"onnxdiag_bn_conv_{i}_bias"
         out.graph.initializer.extend([
             numpy_helper.from_array(s.astype("float32").reshape(len(s), *[1] * (rank - 1)), w),
-            numpy_helper.from_array((shift - mean * s).astype("float32"), b)])
-        nodes[i] = helper.make_node("Conv", [bn.input[0], w, b], [bn.output[0]], name=bn.name,
-                                    group=len(s), kernel_shape=[1] * (rank - 2))
+            numpy_helper.from_array(b.astype("float32"), bias)])
+        nodes[i] = helper.make_node("Conv", [bn.input[0], w, bias], [bn.output[0]],
+                                    name=bn.name, group=len(s), kernel_shape=[1] * (rank - 2))
     del out.graph.node[:]
     out.graph.node.extend(nodes)
     return out, [nodes[i].name for i in plan]

@@ -92,11 +92,31 @@ def fold_bn_into(weight: np.ndarray, bias: np.ndarray | None, scale, shift, mean
     return w, (b - mean) * s + shift
 
 
+def is_inference_bn(node) -> bool:
+    """``node`` is a default-domain BatchNormalization in inference form: its five inputs,
+    one output, not training, per-channel (``spatial`` 1)."""
+    return node.op_type == "BatchNormalization" and node.domain in _DEFAULT_DOMAINS \
+        and len(node.input) == 5 and not any(node.output[1:]) \
+        and not get_attr(node, "training_mode", 0) and get_attr(node, "spatial", 1) == 1
+
+
+def bn_affine(bn, constant) -> tuple[np.ndarray, np.ndarray] | None:
+    """(s, b), float64 per channel, with bn(y) = s·y + b (s = γ/√(σ² + ε), b = β − μ·s),
+    for an inference BatchNormalization (:func:`is_inference_bn`) whose four parameters
+    ``constant(name)`` gives as 1-D arrays; None otherwise (or for ``constant``'s None)."""
+    if not is_inference_bn(bn):
+        return None
+    params = [constant(name) for name in bn.input[1:]]
+    if any(p is None or np.ndim(p) != 1 for p in params):
+        return None
+    gamma, beta, mean, var = (np.asarray(p, np.float64) for p in params)
+    s = gamma / np.sqrt(var + get_attr(bn, "epsilon", 1e-5))
+    return s, beta - mean * s
+
+
 def _foldable(index: GraphIndex, bn, keep: set):
     """(conv, bn, (weight, bias or None)) when ``bn`` folds into its producer, else None."""
-    if bn is None or not bn.name or bn.domain not in _DEFAULT_DOMAINS or len(bn.input) != 5 \
-            or any(bn.output[1:]) or get_attr(bn, "training_mode", 0) \
-            or get_attr(bn, "spatial", 1) != 1:
+    if bn is None or not bn.name or not is_inference_bn(bn):
         return None
     conv = index.producer.get(bn.input[0])
     if conv is None or conv.op_type != "Conv" or conv.domain not in _DEFAULT_DOMAINS \
