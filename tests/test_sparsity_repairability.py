@@ -327,9 +327,11 @@ def test_rr_capture_cuts_sampled_patches_in_the_graph_with_the_numpy_curves(buil
     monkeypatch.setattr(rc, "GRAPH_COLUMNS", False)
     plain = compute_rr_curves(model, layers, calib, positions=k, seed=1)
     assert graph.n_samples == plain.n_samples == one.n_samples
+    # the columns differ by float32 rounding (above), so the curves do by a few 1e-7
+    # relative: 1.1e-6 seen on one AVX-512 host whose ONNX Runtime kernels differ
     for got in (graph, one):
         for name in ("d_raw", "d_repair", "rr"):
-            np.testing.assert_allclose(getattr(got, name), getattr(plain, name), rtol=1e-6,
+            np.testing.assert_allclose(getattr(got, name), getattr(plain, name), rtol=5e-6,
                                        atol=1e-12)
 
 

@@ -291,6 +291,11 @@ def blocked_gram(z32: np.ndarray, block: int = GRAM_BLOCK, *, out: np.ndarray | 
         for i in range(0, d, TRIANGLE_BLOCK):
             j = i + TRIANGLE_BLOCK
             strip = part[:, i:j].T @ part[:, i:]  # rows i:j of the upper triangle
+            # its diagonal block from its upper triangle: a general product need not sum
+            # (a, b) and (b, a) alike (OpenBLAS's kernels on some AVX-512 CPUs do not)
+            square = strip[:, :strip.shape[0]]
+            lower = np.tril_indices(strip.shape[0], -1)
+            square[lower] = square.T[lower]
             gram[i:j, i:] += strip
             gram[j:, i:j] += strip[:, j - i:].T
     return gram
