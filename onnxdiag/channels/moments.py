@@ -275,8 +275,9 @@ def blocked_gram(z32: np.ndarray, block: int = GRAM_BLOCK, *, out: np.ndarray | 
     ``out``: a float64 (d, d) array (or view) the products are added to, in place, and
     returned (default: zeros); ``work``: a float32 (d, d) scratch for each block's product.
     From d > 2·``TRIANGLE_BLOCK`` only the upper triangle is multiplied, in strips of
-    ``TRIANGLE_BLOCK`` rows (general products: OpenBLAS's syrk runs no faster than the full
-    product), and mirrored: the same float32 dot products per entry."""
+    ``TRIANGLE_BLOCK`` rows (OpenBLAS's syrk of the whole runs no faster than the full
+    product; each strip's diagonal block is a syrk, the rest general products), and
+    mirrored: float32 dot products of ``block`` terms per entry, exactly symmetric."""
     rows, d = z32.shape
     gram = np.zeros((d, d)) if out is None else out
     strips = d > 2 * TRIANGLE_BLOCK
@@ -290,14 +291,12 @@ def blocked_gram(z32: np.ndarray, block: int = GRAM_BLOCK, *, out: np.ndarray | 
             continue
         for i in range(0, d, TRIANGLE_BLOCK):
             j = i + TRIANGLE_BLOCK
-            strip = part[:, i:j].T @ part[:, i:]  # rows i:j of the upper triangle
-            # its diagonal block from its upper triangle: a general product need not sum
-            # (a, b) and (b, a) alike (OpenBLAS's kernels on some AVX-512 CPUs do not)
-            square = strip[:, :strip.shape[0]]
-            lower = np.tril_indices(strip.shape[0], -1)
-            square[lower] = square.T[lower]
-            gram[i:j, i:] += strip
-            gram[j:, i:j] += strip[:, j - i:].T
+            cols = part[:, i:j]  # rows i:j of the upper triangle: the diagonal block by a
+            gram[i:j, i:j] += cols.T @ cols  # syrk (exactly symmetric, unlike a general
+            if j < d:  # product on some BLAS kernels), the rest by a general product
+                strip = cols.T @ part[:, j:]
+                gram[i:j, j:] += strip
+                gram[j:, i:j] += strip.T
     return gram
 
 
