@@ -134,9 +134,9 @@ def _assert_within_float32_bound(mean, cov, ref):
     assert np.all(np.abs(cov - ref_cov) <= 1.3e-4 * np.outer(sd, sd) + 1e-12)
 
 
-@pytest.mark.parametrize("block,width", [(7, 40), (1024, 40), (1024, 600)])
+@pytest.mark.parametrize("block,width", [(7, 40), (1024, 40), (1024, 600), (1024, 1100)])
 def test_float32_block_gram_within_its_error_bound_vs_float64(block, width):
-    """blocked_gram (float32 products per block of rows, merged in float64; from 513
+    """blocked_gram (float32 products per block of rows, merged in float64; from 1,025
     columns the upper triangle in strips, mirrored) vs the float64 Gram of the same
     centred values: every entry within gram_error_bound, and the bound is a relative error
     ≤ 6.2e-5 of √(G_ii G_jj) (here the error itself is far below it); added to ``out`` in

@@ -248,6 +248,10 @@ GRAM_BLOCK = 1024
 #: Rows per strip of the upper triangle of a wide Gram (:func:`blocked_gram`; measured on
 #: the project's machine: 25 ms against 35 ms for the full product at d = 2,048).
 TRIANGLE_BLOCK = 256
+#: Columns above which :func:`blocked_gram` multiplies in strips: one syrk of 512 rows was
+#: faster below (576: 2.2 vs 2.6 ms, 960: 5.6 vs 6.2 ms, 768 equal) and slower above
+#: (1,280: 12.2 vs 11.5 ms, 2,048: 41 vs 28 ms; one thread, benchmarks/RESULTS.md).
+STRIPS_FROM = 1024
 #: The unit roundoff of float32.
 U32 = 2.0 ** -24
 
@@ -274,13 +278,13 @@ def blocked_gram(z32: np.ndarray, block: int = GRAM_BLOCK, *, out: np.ndarray | 
     blocks of ``block`` rows, summed in float64 (error: :func:`gram_error_bound`).
     ``out``: a float64 (d, d) array (or view) the products are added to, in place, and
     returned (default: zeros); ``work``: a float32 (d, d) scratch for each block's product.
-    From d > 2·``TRIANGLE_BLOCK`` only the upper triangle is multiplied, in strips of
+    From d > ``STRIPS_FROM`` only the upper triangle is multiplied, in strips of
     ``TRIANGLE_BLOCK`` rows (OpenBLAS's syrk of the whole runs no faster than the full
     product; each strip's diagonal block is a syrk, the rest general products), and
     mirrored: float32 dot products of ``block`` terms per entry, exactly symmetric."""
     rows, d = z32.shape
     gram = np.zeros((d, d)) if out is None else out
-    strips = d > 2 * TRIANGLE_BLOCK
+    strips = d > STRIPS_FROM
     if work is None and not strips:
         work = np.empty((d, d), np.float32)
     for a in range(0, rows, block):
@@ -329,7 +333,7 @@ def _fold_rows(moments: GramMoments, samples: np.ndarray, targets: np.ndarray | 
     if z is None:
         z = buffers[(rows, c)] = np.empty((rows, c), np.float32)
     work = buffers.get(("work", c))
-    if work is None and c <= 2 * TRIANGLE_BLOCK:
+    if work is None and c <= STRIPS_FROM:
         work = buffers[("work", c)] = np.empty((c, c), np.float32)
     np.subtract(samples, centre32[:c], out=z, casting="unsafe")
     # float32 sums of an image's k rows (one batched BLAS product), merged in float64
