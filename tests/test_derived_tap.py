@@ -60,6 +60,50 @@ def test_derived_samples_equal_the_output_taps(build, layer, act, positions):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
+def _depthwise_multiplier():
+    """c0 (3→4) → bn → Clip(0, 6) → "dw" (3×3, group 4, 4→8: two outputs per channel,
+    stride 2, pad 1, bias) → bn → Relu → GAP → Gemm head."""
+    g = corpus.GraphBuilder(3)
+    c0 = g.bn(g.conv("x", "c0", 3, 4, bias=False), "c0_bn", 4)
+    r0 = g.node("Clip", [c0, g.init("lo", np.array(0, np.float32)),
+                         g.init("hi", np.array(6, np.float32))], "relu6")
+    dw = g.conv(r0, "dw", 4, 8, stride=2, group=4)
+    r1 = g.node("Relu", [g.bn(dw, "dw_bn", 8)], "relu1")
+    g.gemm(g.pool_flatten(r1), "head", 8, corpus.N_CLASSES, out="logits")
+    return g.model([corpus.image_input()], [corpus.logits_output()])
+
+
+@pytest.mark.parametrize("derived", [False, True])
+@pytest.mark.parametrize("positions", [3, 100])
+def test_depthwise_taps_sum_in_float32_as_the_conv_does(derived, positions):
+    """A depthwise conv's input tap (plain or derived; channel multiplier 2, stride 2, pad
+    1, bias) sums its kh·kw products per output in float32 from the channels-last patches:
+    ONNX Runtime's own output at the drawn positions, and the float64 columns' product, to
+    float32 rounding."""
+    from onnxdiag.sparsity.offline import apply_columns, sampled_columns
+
+    model = model_io.load_model(_depthwise_multiplier())
+    la, tap = _derived(model, "dw")
+    if not derived:
+        tap = _input_tap(GraphIndex(model), la)
+    assert tap.depthwise and tap.matrix.shape == (4, 9, 2)
+    exposed, names = expose_channels_last(model, {tap.reads(la): 4, la.output: 4})
+    got_all = corpus.run_ort(exposed, corpus.random_feeds(model, batch=5, seed=4))
+    src, out = got_all[names[tap.reads(la)]], got_all[names[la.output]]
+    indices = np.arange(3, 8)
+    got = tap.samples(src, indices, positions, seed=5)
+    n, h, w, c = out.shape
+    pos = draw_positions(h * w, positions, seed=5, sample_indices=indices)
+    want = out.reshape(n, h * w, c)[np.arange(n)[:, None], pos].reshape(-1, c)
+    assert got.shape == want.shape and (positions > h * w or got.dtype == np.float32)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    cols = sampled_columns(tap.op, np.moveaxis(src, -1, 1), tap.kernel, positions, seed=5,
+                           sample_indices=indices, x_last=src,
+                           transform=getattr(tap, "_input", None) if derived else None)
+    exact = apply_columns(cols.astype(np.float64), tap.matrix) + tap.bias
+    np.testing.assert_allclose(got, exact, rtol=1e-6, atol=1e-6 * np.abs(exact).max())
+
+
 def test_auto_derives_a_layer_only_where_it_saves_an_exposure(monkeypatch):
     """"auto" derives a layer only where its float64 work is at most DERIVE_SHARE of its
     output's values: none of this 8×8 MobileNet block's at the default share; at share 1

@@ -48,14 +48,39 @@ class InputTap:
     def samples(self, x_last: np.ndarray, indices, n_positions: int, seed: int,
                 transform=None) -> np.ndarray:
         """Rows (n·k, C_out) at the positions :func:`draw_positions` gives the output."""
-        from ..sparsity.offline import apply_columns, sampled_columns
+        from ..sparsity.offline import apply_columns, sampled_columns, sampled_patches
 
-        cols = sampled_columns(self.op, np.moveaxis(x_last, -1, 1), self.kernel, n_positions,
-                               seed=seed, sample_indices=indices, x_last=x_last,
-                               transform=transform)
+        x = np.moveaxis(x_last, -1, 1)
+        if self.depthwise:
+            patches = sampled_patches(self.op, x, self.kernel, n_positions, seed=seed,
+                                      sample_indices=indices, x_last=x_last,
+                                      transform=transform)
+            if patches is not None:
+                return self._depthwise_at(patches)
+        cols = sampled_columns(self.op, x, self.kernel, n_positions, seed=seed,
+                               sample_indices=indices, x_last=x_last, transform=transform)
         y = apply_columns(cols.astype(np.float64), self.matrix)
         if self.bias is not None:
             y += self.bias
+        return y
+
+    @property
+    def depthwise(self) -> bool:
+        """A 2-D conv whose every group reads one input channel (a depthwise conv)."""
+        return (len(self.kernel) == 2 and self.matrix.shape[0] > 1
+                and self.matrix.shape[1] == int(np.prod(self.kernel)))
+
+    def _depthwise_at(self, patches: np.ndarray) -> np.ndarray:
+        """A depthwise conv at channels-last patches (m, kh·kw, C): its kh·kw products per
+        output summed in float32, as ONNX Runtime's own kernel sums them (the float64
+        columns of the other convs would cost ~15× more here: one small product per
+        channel)."""
+        m, (g, _, o) = patches.shape[0], self.matrix.shape
+        w = self.matrix.astype(np.float32)
+        y = (np.einsum("mtg,tg->mg", patches, np.ascontiguousarray(w[:, :, 0].T)) if o == 1
+             else np.einsum("mtg,gto->mgo", patches, w).reshape(m, g * o))
+        if self.bias is not None:
+            y += self.bias.astype(np.float32)
         return y
 
 
@@ -84,9 +109,11 @@ class DerivedInputTap(InputTap):
         return super().samples(x_last, indices, n_positions, seed, transform=self._input)
 
     def _input(self, y: np.ndarray) -> np.ndarray:
-        x = np.asarray(y, np.float32) * self.scale.astype(np.float32)
-        x += self.shift.astype(np.float32)
-        return np.clip(x, self.lo, self.hi, out=x)
+        """act(scale·y + shift) of a fresh float32 ``y``, in place (a new array of the
+        patches' size costs its page faults: 3× the map itself)."""
+        y *= self.scale.astype(np.float32)
+        y += self.shift.astype(np.float32)
+        return np.clip(y, self.lo, self.hi, out=y)
 
 
 @dataclass(frozen=True)
