@@ -166,3 +166,17 @@ def test_init_without_bn_and_vit_runs(tmp_path):
     logits = _session(run_dir / "checkpoints" / rec["path"]).run(None, {"input": data["x_eval"]})
     acc = 100.0 * float((logits[0].argmax(1) == data["y_eval"]).mean())
     assert acc == pytest.approx(rec["test_acc"], abs=1e-6) and "train_loss_noisy" in rec
+
+
+def test_time_epoch_prints_every_selected_run(monkeypatch, capsys):
+    """``--time-epoch`` builds each selected run's architecture and prints its parameter
+    count and one timed epoch (it indexed a Run as a tuple until 2026-12-07)."""
+    monkeypatch.setattr(tz, "load_data", lambda *args: _data())
+    assert tz.main(["--runs", "mobilenetv2-tail,resnet18-tail", "--time-epoch",
+                    "--width-scale", "0.125", "--n-train", "64"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for line, (name, arch) in zip(lines, [("mobilenetv2-tail", "mobilenetv2"),
+                                          ("resnet18-tail", "resnet18")]):
+        n = sum(p.numel() for p in tz.build(arch, tz.arch_widths(arch, 0.125)).parameters())
+        assert line.startswith(f"{name}: {n} params, one epoch of 64 images ")
+    assert len(lines) == 2

@@ -691,7 +691,7 @@ def main(argv=None) -> int:
     data = load_data(args.data_dir, args.n_train, args.n_calib, args.n_eval)
     if args.time_epoch:
         for r in names:
-            arch = runs[r][0]
+            arch = runs[r].arch
             n = sum(p.numel() for p in build(arch, arch_widths(arch, args.width_scale))
                     .parameters())
             print(f"{r}: {n} params, one epoch of {args.n_train} images "
