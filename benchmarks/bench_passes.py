@@ -87,8 +87,10 @@ def load_images(data: str | None, n: int) -> tuple[np.ndarray, np.ndarray | None
 
 
 def make_passes(model_path: str, x, y, calib: int, batch_size: int, wanted,
-                fresh_agreement: bool = False, separate_dense: bool = False) -> dict:
-    """{pass: a callable running it once} for the ``wanted`` passes."""
+                fresh_agreement: bool = False, separate_dense: bool = False,
+                positions: int = 16) -> dict:
+    """{pass: a callable running it once} for the ``wanted`` passes (``positions``: the
+    statistics pass's positions per image, ``--positions`` of ``onnxdiag channels``)."""
     from onnxdiag.channels.collect import (
         StatsRunner,
         collect_channel_moments,
@@ -123,9 +125,10 @@ def make_passes(model_path: str, x, y, calib: int, batch_size: int, wanted,
     quiet = StatsRunner(model)
     fns["plain_nospin"] = lambda: run_all(quiet, source)
     if {"channels", "stats_session"} & set(wanted):
-        stats_runner = make_stats_runner(model, structure)
+        stats_runner = make_stats_runner(model, structure, n_positions=positions)
         fns["channels"] = lambda: collect_channel_moments(model, structure, source,
-                                                          runner=stats_runner)
+                                                          runner=stats_runner,
+                                                          n_positions=positions)
         fns["stats_session"] = lambda: run_all(stats_runner, source)
     if "readouts" in wanted:
         head_runner = make_head_runner(model, structure.head)
@@ -266,6 +269,8 @@ def main(argv=None) -> int:
                     "repair's dense moments from a pass of its own, not the RR capture")
     ap.add_argument("--own-arenas", action="store_true", help="segments / prune / sweep: "
                     "every segment session its own CPU arena instead of the shared one")
+    ap.add_argument("--positions", type=int, default=16, help="channels / stats_session: "
+                    "positions sampled per image (the statistics pass's default: 16)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -281,11 +286,11 @@ def main(argv=None) -> int:
         segments.SHARED_ARENA = False
     x, y = load_images(args.data, args.n)
     fns = make_passes(args.model, x, y, args.calib, args.batch_size, wanted,
-                      args.fresh_agreement, args.separate_dense_pass)
+                      args.fresh_agreement, args.separate_dense_pass, args.positions)
     med, cpu, times = interleaved_medians(fns, args.repeat, 0.0 if args.smoke else 0.2,
                                           args.warmup)
-    res = {"model": args.model, "n": args.n, "calib": args.calib, "seconds": med,
-           "all_seconds": times,
+    res = {"model": args.model, "n": args.n, "calib": args.calib, "positions": args.positions,
+           "seconds": med, "all_seconds": times,
            "ratio": {k: med[k] / base(med, k) for k in med},
            "cpu_seconds": cpu, "cpu_ratio": {k: cpu[k] / base(cpu, k, nospin=True)
                                              for k in cpu},

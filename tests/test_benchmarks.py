@@ -176,3 +176,16 @@ def test_the_statistics_memory_child_reports_its_own_peak_not_its_parents(tmp_pa
     out = subprocess.run([sys.executable, "-c", code, str(BENCH)], capture_output=True,
                          text=True, check=True).stdout
     assert held.sum() > 0 and int(out) < 300 * 1024, out
+
+
+def test_bench_passes_times_the_statistics_pass_at_the_positions_asked(tmp_path):
+    """``bench_passes.py --positions k`` makes the statistics session and runs the pass at k
+    positions per image (a session made for another k need not expose the same tensors),
+    and says so in its JSON."""
+    out = tmp_path / "res.json"
+    got = _run([sys.executable, str(BENCH / "bench_passes.py"), "--smoke", "--passes",
+                "channels,stats_session", "--positions", "1", "--memory", "", "--json",
+                str(out)])
+    assert got.returncode == 0, got.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["positions"] == 1 and {"channels", "stats_session"} <= set(res["ratio"])
