@@ -245,13 +245,17 @@ def _fold(acc: LayerMoments, x: np.ndarray, t, t_null, indices, positions, n_pos
 #: Rows per float32 Gram block: each block's products are one float32 BLAS product
 #: (syrk), merged into the float64 accumulators (``docs/METHODS.md §B1``).
 GRAM_BLOCK = 1024
-#: Rows per strip of the upper triangle of a wide Gram (:func:`blocked_gram`; measured on
-#: the project's machine: 25 ms against 35 ms for the full product at d = 2,048).
-TRIANGLE_BLOCK = 256
-#: Columns above which :func:`blocked_gram` multiplies in strips: one syrk of 512 rows was
-#: faster below (576: 2.2 vs 2.6 ms, 960: 5.6 vs 6.2 ms, 768 equal) and slower above
-#: (1,280: 12.2 vs 11.5 ms, 2,048: 41 vs 28 ms; one thread, benchmarks/RESULTS.md).
-STRIPS_FROM = 1024
+#: Extra float32 columns of a Gram scratch's rows: a (d, d) product written with a row
+#: stride of d + 16 avoids the cache-set conflicts of power-of-two strides (one syrk of
+#: 512 rows at d = 1,024: 9.9 -> 6.1 ms, 2,048: 52 -> 30 ms; benchmarks/RESULTS.md).
+SCRATCH_PAD = 16
+
+
+def gram_scratch(d: int) -> np.ndarray:
+    """A float32 (d, d) scratch for :func:`blocked_gram`, rows ``SCRATCH_PAD`` apart."""
+    return np.empty((d, d + SCRATCH_PAD), np.float32)[:, :d]
+
+
 #: The unit roundoff of float32.
 U32 = 2.0 ** -24
 
@@ -274,33 +278,19 @@ def gram_error_bound(abs_gram: np.ndarray, block: int = GRAM_BLOCK) -> np.ndarra
 
 def blocked_gram(z32: np.ndarray, block: int = GRAM_BLOCK, *, out: np.ndarray | None = None,
                  work: np.ndarray | None = None) -> np.ndarray:
-    """zᵀz (float64, (d, d)) of float32 rows ``z32`` (rows, d): float32 products over
-    blocks of ``block`` rows, summed in float64 (error: :func:`gram_error_bound`).
-    ``out``: a float64 (d, d) array (or view) the products are added to, in place, and
-    returned (default: zeros); ``work``: a float32 (d, d) scratch for each block's product.
-    From d > ``STRIPS_FROM`` only the upper triangle is multiplied, in strips of
-    ``TRIANGLE_BLOCK`` rows (OpenBLAS's syrk of the whole runs no faster than the full
-    product; each strip's diagonal block is a syrk, the rest general products), and
-    mirrored: float32 dot products of ``block`` terms per entry, exactly symmetric."""
+    """zᵀz (float64, (d, d)) of float32 rows ``z32`` (rows, d): one float32 symmetric
+    rank-k update (syrk: exactly symmetric) per block of ``block`` rows, summed in float64
+    (error: :func:`gram_error_bound`). ``out``: a float64 (d, d) array (or view) the
+    products are added to, in place, and returned (default: zeros); ``work``: a float32
+    (d, d) scratch for each block's product (default: :func:`gram_scratch`)."""
     rows, d = z32.shape
     gram = np.zeros((d, d)) if out is None else out
-    strips = d > STRIPS_FROM
-    if work is None and not strips:
-        work = np.empty((d, d), np.float32)
+    if work is None:
+        work = gram_scratch(d)
     for a in range(0, rows, block):
         part = z32[a:a + block]
-        if not strips:
-            np.matmul(part.T, part, out=work)  # one float32 syrk per block
-            gram += work
-            continue
-        for i in range(0, d, TRIANGLE_BLOCK):
-            j = i + TRIANGLE_BLOCK
-            cols = part[:, i:j]  # rows i:j of the upper triangle: the diagonal block by a
-            gram[i:j, i:j] += cols.T @ cols  # syrk (exactly symmetric, unlike a general
-            if j < d:  # product on some BLAS kernels), the rest by a general product
-                strip = cols.T @ part[:, j:]
-                gram[i:j, j:] += strip
-                gram[j:, i:j] += strip.T
+        np.matmul(part.T, part, out=work)  # NumPy calls syrk for Aᵀ A
+        gram += work
     return gram
 
 
@@ -333,8 +323,8 @@ def _fold_rows(moments: GramMoments, samples: np.ndarray, targets: np.ndarray | 
     if z is None:
         z = buffers[(rows, c)] = np.empty((rows, c), np.float32)
     work = buffers.get(("work", c))
-    if work is None and c <= STRIPS_FROM:
-        work = buffers[("work", c)] = np.empty((c, c), np.float32)
+    if work is None:
+        work = buffers[("work", c)] = gram_scratch(c)
     np.subtract(samples, centre32[:c], out=z, casting="unsafe")
     # float32 sums of an image's k rows (one batched BLAS product), merged in float64
     per_image = (np.ones(k, np.float32) @ z.reshape(rows // k, k, c)).astype(np.float64)
