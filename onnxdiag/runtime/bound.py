@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .batching import batch_len
 from .runner import OrtRunner
 
 #: Samples per ONNX Runtime run of a bound pass (8 images at 224×224 keep the session's
@@ -39,7 +40,7 @@ class BoundRunner:
         if not self.enabled:
             return self.runner.run(feeds, self.names)
         feeds = {k: np.ascontiguousarray(v) for k, v in feeds.items()}
-        n = int(np.shape(next(iter(feeds.values())))[0])
+        n = batch_len(feeds)
         try:
             for i in range(0, n, self.rows):
                 self._run_piece({k: v[i:i + self.rows] for k, v in feeds.items()}, i, n)
@@ -49,7 +50,7 @@ class BoundRunner:
         return {k: b[:n] for k, b in self.buffers.items()}
 
     def _run_piece(self, piece: dict, start: int, n: int) -> None:
-        m = int(np.shape(next(iter(piece.values())))[0])
+        m = batch_len(piece)
         if self.buffers is None or len(next(iter(self.buffers.values()))) < n:
             if start:
                 raise ValueError("the buffers are sized on a batch's first piece")

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..graph import GraphIndex
 from ..model.edit import ModelEditor
+from ..runtime.batching import batch_len
 from ..runtime.progress import progress
 from ..runtime.runner import OrtRunner, single_threaded_blas
 from .ls_columns import (
@@ -111,7 +112,7 @@ def collect_columns(model, sources: dict[str, ColumnSource], batches: list[dict]
     wanted = sorted({v for v in names.values() if v not in inputs})
     # ORT threads sleep between runs: the Gram updates run between them on the same cores
     runner = OrtRunner(exposed, providers=providers, threads=threads, spinning=False)
-    sizes = [int(np.shape(next(iter(feeds.values())))[0]) for feeds in batches]
+    sizes = [batch_len(feeds) for feeds in batches]
     # every image's indices in one go (per-batch calls cost half a dense pass); image i's
     # depend on its global index alone, so slicing them per batch changes nothing
     extra = index_feeds(convs, settings.positions, settings.seed, np.arange(sum(sizes)))

@@ -22,7 +22,7 @@ from onnx import helper
 
 from ..errors import DataError
 from ..graph import GraphIndex
-from ..runtime.batching import batch_len  # noqa: F401 - re-exported (repair, fold, commands)
+from ..runtime.batching import batch_len  # also re-exported (repair, fold, commands)
 from ..runtime.runner import OrtRunner
 
 #: Input values per ONNX Runtime run of the repairs' passes (**our default**, 2^20: 6 images
@@ -41,7 +41,7 @@ def split_batches(batches: list[dict], max_values: int = RUN_VALUES) -> list[dic
     out = []
     for feeds in batches:
         arrays = {k: np.asarray(v) for k, v in feeds.items()}
-        n = int(np.shape(next(iter(arrays.values())))[0])
+        n = batch_len(arrays)
         per = sum(int(np.prod(a.shape[1:])) for a in arrays.values())
         step = max(1, max_values // max(per, 1))
         out.extend({k: a[i:i + step] for k, a in arrays.items()} for i in range(0, n, step))

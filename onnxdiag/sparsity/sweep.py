@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import DataError, OnnxDiagError
 from ..model.expose import expose_tensors
+from ..runtime.batching import batch_len
 from ..runtime.runner import OrtRunner
 from .allocation import RULES, allocate_sparsity
 from .budget import no_prunable_message
@@ -34,7 +35,7 @@ def materialize(source, n_images: int | None = None) -> list[dict]:
     dicts, as a list of feed dicts held in memory."""
     out, seen = [], 0
     for feeds in feed_dicts(source):
-        n = int(np.shape(next(iter(feeds.values())))[0])
+        n = batch_len(feeds)
         take = n if n_images is None else min(n, n_images - seen)
         if take <= 0:
             break
@@ -109,7 +110,7 @@ class Pruner:
 
     @property
     def n_images(self) -> int:
-        return int(sum(np.shape(next(iter(f.values())))[0] for f in self.calib))
+        return sum(batch_len(f) for f in self.calib)
 
     def allocate(self, rule: str, S: float):
         """The :class:`~onnxdiag.sparsity.Allocation` of ``rule`` at ``S``."""
