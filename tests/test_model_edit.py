@@ -230,6 +230,17 @@ def test_finish_runs_the_full_checker(edit):
     assert not isinstance(info.value, OnnxDiagError)
 
 
+def test_finalize_runs_both_halves_of_the_full_checker():
+    # the structural checker alone sees duplicate metadata keys; strict shape inference
+    # alone sees a float64 weight beside float32 data (test_finish_runs_the_full_checker)
+    model = load_model(corpus.conv_bn_chain())
+    model.metadata_props.add(key="k", value="1")
+    model.metadata_props.add(key="k", value="2")
+    onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
+    with pytest.raises(EditError, match="duplicate keys"):
+        finalize_model(model)
+
+
 def test_finish_runs_the_postcondition_and_closes_the_editor():
     ed = ModelEditor(_shared_weight_model())
 
