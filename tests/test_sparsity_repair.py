@@ -322,12 +322,12 @@ def test_recalibrating_bns_that_share_parameters_copies_them_first():
 def _float64_path(monkeypatch):
     """The repair as before its float32 moments: every moment by Moments.update_axis
     (float64 copies) and every BN measured on its patched input (no derived moments)."""
-    from onnxdiag.sparsity import recal, repair
+    from onnxdiag.sparsity import recal, sequential
     from onnxdiag.stats import Moments
 
     monkeypatch.setattr(Moments, "update_channels", lambda self, x: self.update_axis(x, 1))
-    monkeypatch.setattr(repair, "scaled_moments", lambda rep: None)
-    assert recal.recalibrate_bn is repair.recalibrate_bn
+    monkeypatch.setattr(sequential, "scaled_moments", lambda rep: None)
+    assert recal.recalibrate_bn is sequential.recalibrate_bn
 
 
 @pytest.mark.parametrize("build", [conv_bn_chain, residual_block, conv_bn_folded])
@@ -443,3 +443,73 @@ def test_rr_capture_output_moments_replace_the_repairs_dense_pass(build):
         assert np.abs(x.astype(np.float64) - y).max() <= 1e-5 * max(np.abs(y).max(), 1e-3)
     np.testing.assert_allclose(_logits(seeded, calib), _logits(fresh, calib), rtol=1e-4,
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("sizes", [[5, 5, 2], [1, 7], [4]])
+def test_batch_moments_merge_each_batch_in_order(sizes, monkeypatch):
+    """The repairs' per-batch moments (each batch folded on a thread, merged in order)
+    equal the float64 moments of all the batches to float32 rounding, and do not depend
+    on the number of threads, bit for bit."""
+    from types import SimpleNamespace
+
+    from onnxdiag.runtime import pool
+    from onnxdiag.sparsity.fold import batch_moments
+
+    rng = np.random.default_rng(5)
+    batches = [(rng.normal(size=(n, 6, 9, 9)) * rng.uniform(0.2, 4, (1, 6, 1, 1)) + 30
+                ).astype(np.float32) for n in sizes]
+    conv = SimpleNamespace(op_type="Conv")
+    ref = np.moveaxis(np.concatenate(batches), 1, -1).reshape(-1, 6).astype(np.float64)
+    results = []
+    for threads in (1, 3):
+        monkeypatch.setattr(pool, "THREADS", threads)
+        m = batch_moments(conv, [b.copy() for b in batches])
+        assert m.n == ref.shape[0]
+        assert np.abs(m.mean - ref.mean(axis=0)).max() <= 1e-6 * ref.std(axis=0).min()
+        np.testing.assert_allclose(m.var(), ref.var(axis=0, ddof=1), rtol=2e-6)
+        results.append((m.mean, m.var()))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
+def test_bn_stand_in_is_the_bn_of_the_scaled_input():
+    """The BN a segment runs on an unpatched conv output y (recal.bn_stand_in) gives, in
+    ONNX Runtime, what the model's BN gives for α₃₂·y, to float32 rounding, a zero α
+    included; deferred_bn offers it only for a BN that alone reads the tensor."""
+    from onnx import helper
+
+    from onnxdiag.model.edit import ModelEditor
+    from onnxdiag.sparsity.recal import bn_stand_in, deferred_bn
+
+    model = conv_bn_chain()
+    editor = ModelEditor(model)
+    bn = editor.index.get_node("bn0")
+    assert deferred_bn(editor, "conv0", ()) is bn
+    assert deferred_bn(editor, "conv0", ("conv0",)) is None  # the pass returns it
+    alpha = np.random.default_rng(2).uniform(0.3, 3.0, 8)
+    alpha[3] = 0.0
+    stand_in, inits = bn_stand_in(editor, bn, alpha)
+    assert (stand_in.name, list(stand_in.output)) == ("bn0", list(bn.output))
+
+    def run_bn(node, initializers, y):
+        graph = helper.make_graph(
+            [node], "bn", [helper.make_tensor_value_info("conv0", onnx.TensorProto.FLOAT,
+                                                         ["N", 8, 5, 5])],
+            [helper.make_tensor_value_info(node.output[0], onnx.TensorProto.FLOAT,
+                                           ["N", 8, 5, 5])],
+            initializers)
+        m = helper.make_model(graph, opset_imports=list(model.opset_import))
+        m.ir_version = model.ir_version
+        onnx.checker.check_model(m, full_check=True)
+        return OrtRunner(m).run({"conv0": y})[node.output[0]]
+
+    y = np.random.default_rng(3).normal(0.5, 2.0, (4, 8, 5, 5)).astype(np.float32)
+    own = [t for t in model.graph.initializer if t.name in bn.input]
+    want = run_bn(bn, own, y * alpha.astype(np.float32)[None, :, None, None])
+    got = run_bn(stand_in, inits, y)
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
+    shared = onnx.ModelProto()
+    shared.CopyFrom(model)
+    shared.graph.output.append(helper.make_tensor_value_info("conv0", onnx.TensorProto.FLOAT,
+                                                             None))
+    assert deferred_bn(ModelEditor(shared), "conv0", ()) is None  # a second reader

@@ -98,6 +98,21 @@ def output_moments(layer, arrays, acc: Moments | None = None) -> Moments:
     return acc
 
 
+def batch_moments(layer, arrays) -> Moments:
+    """:func:`output_moments` of ``arrays`` with each batch folded on its own (on
+    threads), then merged in order: the same moments to float64 rounding, and the same
+    result whatever the number of threads (each batch's sums are its own)."""
+    arrays = list(arrays)
+    if len(arrays) < 2:
+        return output_moments(layer, arrays)
+    with thread_map(len(arrays)) as pool:
+        parts = pool(lambda a: output_moments(layer, [a]), arrays)
+    acc = parts[0]
+    for part in parts[1:]:
+        acc.merge(part)
+    return acc
+
+
 def dense_moments(model, layers, batches, providers, threads) -> dict[str, Moments]:
     """{node name: output moments} of ``layers`` of ``model`` over ``batches`` (one pass,
     folded batch by batch: only one batch's outputs are held; the layers' folds, each its
@@ -197,9 +212,10 @@ def cr_alpha(kind: str, var_dense: np.ndarray, var_pruned: np.ndarray,
 
 
 def fold_repair(frontier: dict, editor: ModelEditor, layer, dense: Moments, cr_kind,
-                affine: bool, cap: float) -> LayerRepair:
+                affine: bool, cap: float, patch: bool = True) -> LayerRepair:
     """Measure ``layer``'s pruned output in ``frontier`` (its cached batches), fold
-    y' = α·y + shift into the layer in ``editor`` and patch the cached output to match.
+    y' = α·y + shift into the layer in ``editor`` and patch the cached output to match
+    (``patch`` False: left as measured, for a caller whose next reader stands in for it).
 
     α: the CR variant ``cr_kind`` (None: channel-wise, for a pure ``bn`` affine) capped at
     ``cap``; ``affine``: also re-standardise, shift = μ^d − α·μ^p of the output after its
@@ -207,27 +223,31 @@ def fold_repair(frontier: dict, editor: ModelEditor, layer, dense: Moments, cr_k
     """
     index = editor.index
     node = index.get_node(layer.node_name)
-    pruned = output_moments(layer, frontier[layer.output])
+    pruned = batch_moments(layer, frontier[layer.output])
     vd, vp = dense.var(), pruned.var()
     alpha = cr_alpha(cr_kind or "channel", vd, vp, cap)
     w = _value(editor, node.input[1])
-    editor.set_input(node.name, 1, scale_output_channels(layer, w, alpha).astype(w.dtype))
+    editor.set_input(node.name, 1, scale_output_channels(layer, w, alpha))
     shift, in_node = _fold_bias(editor, index, layer, node, alpha, dense, pruned, affine)
-    with thread_map(len(frontier[layer.output])) as pool:  # each batch its own patch
-        frontier[layer.output] = pool(
-            lambda y: _patched(layer, y, alpha, shift if in_node else None),
-            frontier[layer.output])
+    if patch:
+        with thread_map(len(frontier[layer.output])) as pool:  # each batch its own patch
+            frontier[layer.output] = pool(
+                lambda y: patched(layer, y, alpha, shift if in_node else None),
+                frontier[layer.output])
     return LayerRepair(layer.node_name, "affine" if affine else "scale", alpha, shift,
                        np.sqrt(vd), np.sqrt(vp), int(np.sum(alpha >= cap)), pruned.mean,
                        pruned.n)
 
 
 def scale_output_channels(layer, w: np.ndarray, alpha: np.ndarray) -> np.ndarray:
-    """``w`` with output channel c multiplied by α_c (float64 product)."""
-    w64 = np.asarray(w, np.float64)
+    """``w`` with output channel c multiplied by α_c: each float64 product rounded once to
+    ``w``'s dtype (one float64 copy of ``w``, multiplied in place)."""
     if layer.op_type == "Conv":
-        return w64 * alpha.reshape(-1, *[1] * (w.ndim - 1))
-    return w64 * (alpha[:, None] if layer.weight_layout == "oi" else alpha[None, :])
+        a = alpha.reshape(-1, *[1] * (w.ndim - 1))
+    else:
+        a = alpha[:, None] if layer.weight_layout == "oi" else alpha[None, :]
+    w64 = np.array(w, np.float64)
+    return np.multiply(w64, a, out=w64).astype(w.dtype)
 
 
 def bias_state(editor, index, layer, node):
@@ -265,7 +285,7 @@ def _fold_bias(editor, index, layer, node, alpha, dense, pruned, affine) -> tupl
     return shift, in_node
 
 
-def _patched(layer, y: np.ndarray, alpha: np.ndarray, in_node) -> np.ndarray:
+def patched(layer, y: np.ndarray, alpha: np.ndarray, in_node) -> np.ndarray:
     """A cached output batch after the fold: α·y (+ the in-node shift)."""
     shape = (1, -1, *[1] * (y.ndim - 2)) if layer.op_type == "Conv" else (-1,)
     if y.dtype == np.float32 and y.flags.writeable:  # a segment's own output: in place

@@ -40,7 +40,6 @@ import onnx
 from ..errors import OnnxDiagError
 from ..graph import GraphIndex
 from ..model.edit import ModelEditor
-from ..runtime.progress import progress
 from ..stats import Moments
 from .fold import (  # noqa: F401 - LayerRepair, cr_alpha, channel_rows re-exported
     CR_EPS,
@@ -49,7 +48,6 @@ from .fold import (  # noqa: F401 - LayerRepair, cr_alpha, channel_rows re-expor
     channel_rows,
     cr_alpha,
     dense_moments,
-    fold_repair,
     has_layer_norm,
     uses_affine,
 )
@@ -60,10 +58,9 @@ from .recal import (  # noqa: F401 - BNRepair, bn_channels re-exported
     BNRepair,
     affected_tensors,
     bn_channels,
-    recalibrate_bn,
-    scaled_moments,
 )
-from .segments import SegmentedPass, batch_len, collect_batches, split_batches
+from .segments import batch_len, collect_batches, split_batches
+from .sequential import sequential_repair
 
 METHODS = ("none", "bn", "cr", "cr+bn", "layer-cr", "layer-cr+bn", "shrunk-cr", "shrunk-cr+bn",
            "ls", "ls+bn")
@@ -165,7 +162,7 @@ def repair_model(model: onnx.ModelProto, structure, masks: dict, calib_source, *
                 and la.op_type in PRUNABLE_OPS and la.node_name not in dense]
         dense.update(dense_moments(model, todo, batches, providers, threads))
         passes["dense"] = 1
-    done_layers, done_bns, passes["segments"], values = _sequential(
+    done_layers, done_bns, passes["segments"], values = sequential_repair(
         editor, batches, plan.layers, dense, plan.bns, cr_kind, plan.affine, alpha_cap,
         providers, threads, label, tuple(outputs))
     return editor.finish(), RepairRecord(method, alpha_cap, recalibrate, n, done_layers,
@@ -280,38 +277,6 @@ def repair_notes(model: onnx.ModelProto, layers, methods) -> list[str]:
     return list(dict.fromkeys(n for n in notes if n))
 
 
-def _sequential(editor, batches, layers, dense, bns, cr_kind, affine, alpha_cap,
-                providers, threads, label=None, outputs: tuple = ()
-                ) -> tuple[dict, dict, int, dict]:
-    """Repair ``layers`` (to ``dense`` moments; ``affine`` {name: bool}) and recalibrate
-    ``bns`` of the model in ``editor`` in topological order, each measured with the
-    upstream repairs in place, then run on to ``outputs``; returns (LayerRepair per
-    layer, BNRepair per BN, sessions, {output: per-batch arrays})."""
-    # threads sleep between segments: the NumPy work there needs the cores
-    seg = SegmentedPass(editor.model, batches, providers=providers, threads=threads,
-                        spinning=False)
-    items = sorted([(seg.position(la.output), 0, i) for i, la in enumerate(layers)]
-                   + [(seg.position(b.input[0]), 1, i) for i, b in enumerate(bns)])
-    done_layers, done_bns, scaled = {}, {}, {}
-    for pos, kind, i in progress(items, len(items), label) if label else items:
-        tensor = layers[i].output if kind == 0 else bns[i].input[0]
-        seg.run_to(pos, keep=[tensor, *outputs])
-        if kind == 0:
-            la = layers[i]
-            rep = done_layers[la.node_name] = fold_repair(
-                seg.frontier, editor, la, dense[la.node_name], cr_kind, affine[la.node_name],
-                alpha_cap)
-            if rep.kind == "scale" and la.op_type == "Conv":  # its BN's input moments
-                scaled[la.output] = scaled_moments(rep)
-        else:
-            done_bns[bns[i].name] = recalibrate_bn(seg.frontier, editor, bns[i],
-                                                   scaled.get(tensor))
-    if outputs:  # every repair is in place: the rest of the graph sees them all
-        seg.run_to(max(seg.position(t) for t in outputs), keep=outputs)
-    values = {t: seg.frontier[t] for t in outputs if t in seg.frontier}
-    return done_layers, done_bns, seg.n_segments, values
-
-
 def recalibrate_batchnorm(model: onnx.ModelProto, calib_source, *, dense_model=None,
                           kept_channels: dict | None = None, alpha_cap: float = 100.0,
                           n_images: int | None = None, head: str | None = None,
@@ -357,7 +322,7 @@ def recalibrate_batchnorm(model: onnx.ModelProto, calib_source, *, dense_model=N
         full = dense_moments if dense_moments is not None else conv_output_moments(
             dense_model, batches, head=head, providers=providers, threads=threads)
         dense = _kept_moments(folded, full, kept_channels or {})
-    done_layers, done_bns, segments, _ = _sequential(
+    done_layers, done_bns, segments, _ = sequential_repair(
         editor, batches, folded, dense, bns, None, {la.node_name: True for la in folded},
         alpha_cap, providers, threads)
     return editor.finish(), RepairRecord("bn", alpha_cap, "all", n, done_layers, done_bns,

@@ -6,7 +6,8 @@ cut right after each measured tensor: segment k runs only the nodes between two
 measurements, reading its inputs from a *frontier* of cached tensors (all
 calibration images) and adding its outputs to it.  Between segments the caller
 reads the measured tensors, edits the model (edits only reach nodes not yet run)
-and patches the cached tensors to their repaired values.  Every node is executed
+and patches the cached tensors to their repaired values, or has a node not yet run
+stand in for the patch (``stand_ins``).  Every node is executed
 once per image: the whole sequential repair costs one forward pass of compute,
 split over as many ONNX Runtime sessions as there are measurement points.
 Memory: the frontier's live tensors for all calibration images.
@@ -76,7 +77,9 @@ class SegmentedPass:
     nodes' inputs when it runs.
 
     Attributes: ``frontier`` {tensor: [per-batch arrays]}; ``done`` position of the last
-    executed node; ``n_segments`` sessions run so far.
+    executed node; ``n_segments`` sessions run so far; ``stand_ins`` {node name: (node,
+    initializers it reads)}: what a segment runs in place of that node of the model (the
+    caller's, e.g. :func:`~onnxdiag.sparsity.recal.bn_stand_in`; never in the model).
     """
 
     def __init__(self, model: onnx.ModelProto, batches: list[dict], *, providers=None,
@@ -99,6 +102,7 @@ class SegmentedPass:
         self.types = {v.name: v for v in (*model.graph.value_info, *model.graph.output)}
         self.done = -1
         self.n_segments = 0
+        self.stand_ins: dict[str, tuple[onnx.NodeProto, list]] = {}
 
     def position(self, tensor: str) -> int:
         """Topological position of ``tensor``'s producer (-1 for a graph input)."""
@@ -122,6 +126,9 @@ class SegmentedPass:
 
     def _run_segment(self, nodes, start, end, produced, wanted) -> None:
         inits = {t.name: t for t in self.model.graph.initializer}
+        nodes = [self.stand_ins.get(n.name, (n,))[0] for n in nodes]
+        inits.update((t.name, t) for n in nodes if n.name in self.stand_ins
+                     for t in self.stand_ins[n.name][1])
         # read the nodes now, not at construction: an edit between segments may rewire an
         # input (e.g. a BN statistic held by a Constant node) to a new initializer
         reads = set().union(*(node_reads(n) for n in nodes)) - produced

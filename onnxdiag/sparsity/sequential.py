@@ -1,0 +1,67 @@
+"""METHODS §C1's sequential pass: every pruned layer's repair and every BN's recalibration
+measured with the upstream repairs in place, in topological order, in one forward pass
+run segment by segment (:class:`~onnxdiag.sparsity.segments.SegmentedPass`).
+
+After a layer's fold the cached output is patched to the repaired layer's (α·y + shift),
+except where a conv's output is read by its BatchNormalization alone: that cache stays
+as measured and the BN's segment runs :func:`~onnxdiag.sparsity.recal.bn_stand_in`
+(the BN, its final statistics, α folded in), which spares a pass over the cache.
+"""
+
+from __future__ import annotations
+
+from ..runtime.progress import progress
+from .fold import fold_repair, patched
+from .recal import bn_stand_in, deferred_bn, recalibrate_bn, scaled_moments
+from .segments import SegmentedPass
+
+
+def sequential_repair(editor, batches, layers, dense, bns, cr_kind, affine, alpha_cap,
+                      providers, threads, label=None, outputs: tuple = ()
+                      ) -> tuple[dict, dict, int, dict]:
+    """Repair ``layers`` (to ``dense`` moments; ``affine`` {name: bool}) and recalibrate
+    ``bns`` of the model in ``editor`` in topological order, each measured with the
+    upstream repairs in place, then run on to ``outputs``; returns (LayerRepair per
+    layer, BNRepair per BN, sessions, {output: per-batch arrays})."""
+    # threads sleep between segments: the NumPy work there needs the cores
+    seg = SegmentedPass(editor.model, batches, providers=providers, threads=threads,
+                        spinning=False)
+    items = sorted([(seg.position(la.output), 0, i) for i, la in enumerate(layers)]
+                   + [(seg.position(b.input[0]), 1, i) for i, b in enumerate(bns)])
+    done_layers, done_bns, scaled = {}, {}, {}
+    # a scaled conv read by its BN alone keeps its cached output as measured: the BN's
+    # segment runs a stand-in with α folded in, once the BN's own statistics are final
+    deferred: dict = {}
+
+    def run_to(pos, keep):
+        if pos > seg.done:
+            seg.stand_ins.update((bn.name, bn_stand_in(editor, bn, a))
+                                 for bn, a, _ in deferred.values())
+            deferred.clear()
+        seg.run_to(pos, keep=keep)
+
+    for pos, kind, i in progress(items, len(items), label) if label else items:
+        tensor = layers[i].output if kind == 0 else bns[i].input[0]
+        run_to(pos, [tensor, *outputs])
+        if kind == 0:
+            la = layers[i]
+            bn = (None if affine[la.node_name] or la.op_type != "Conv"
+                  else deferred_bn(editor, la.output, outputs))
+            rep = done_layers[la.node_name] = fold_repair(
+                seg.frontier, editor, la, dense[la.node_name], cr_kind, affine[la.node_name],
+                alpha_cap, patch=bn is None)
+            if rep.kind == "scale" and la.op_type == "Conv":  # its BN's input moments
+                scaled[la.output] = scaled_moments(rep)
+            if bn is not None:
+                deferred[la.output] = (bn, rep.alpha, la)
+        else:
+            known = scaled.get(tensor)
+            if known is None and tensor in deferred:  # measured on the cache: patch it now
+                _, alpha, la = deferred.pop(tensor)
+                seg.frontier[tensor] = [patched(la, y, alpha, None)
+                                        for y in seg.frontier[tensor]]
+            done_bns[bns[i].name] = recalibrate_bn(seg.frontier, editor, bns[i], known)
+    if outputs:  # every repair is in place: the rest of the graph sees them all
+        run_to(max(seg.position(t) for t in outputs), outputs)
+    values = {t: seg.frontier[t] for t in outputs if t in seg.frontier}
+    return done_layers, done_bns, seg.n_segments, values
