@@ -260,6 +260,58 @@ def test_reused_runner_and_serial_folding_give_identical_moments(setup):
         _collect(setup, 8, runner=one_layer)
 
 
+def test_layers_folded_on_every_core_give_identical_moments(setup, monkeypatch):
+    """Where the session keeps every core and each batch's fold is large, the pass folds a
+    batch after its run with its layers split over the cores (channels.threads
+    .fold_workers): the moments equal the serial fold's bit for bit."""
+    from onnxdiag.channels import moments, threads
+    from onnxdiag.channels.collect import make_stats_runner
+
+    model, structure, x, y = setup
+    runner = make_stats_runner(model, structure, threads=0)
+    splits = []
+    split = moments.split_layers
+    monkeypatch.setattr(moments, "split_layers",
+                        lambda layers, w: splits.append(w) or split(layers, w))
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    monkeypatch.setattr(threads, "PARALLEL_FOLD_FLOPS", 0.0)
+    par = _collect(setup, 8, runner=runner)
+    assert splits == [3]  # three cores: the layers in three groups, split once
+    serial = _collect(setup, 8, runner=runner, overlap=False)
+    for name, lm in serial.layers.items():
+        np.testing.assert_array_equal(lm.task.cov(), par.layers[name].task.cov())
+        np.testing.assert_array_equal(lm.task.mean, par.layers[name].task.mean)
+        assert lm.n_images == par.layers[name].n_images == N
+    monkeypatch.setattr(threads, "PARALLEL_FOLD_FLOPS", float("inf"))
+    _collect(setup, 8, runner=runner)
+    assert splits == [3]  # a small fold: beside the next run, one worker
+
+
+def test_fold_workers_and_split_layers():
+    from types import SimpleNamespace
+
+    from onnxdiag.channels.moments import split_layers
+    from onnxdiag.channels.threads import fold_flops, fold_workers
+
+    cnn = model_io.load_model("models/sample/model.onnx")
+    chosen = find_analysed_layers(analyze_structure(cnn))
+    per_batch = fold_flops(chosen, 16) * 32
+    assert fold_workers(chosen, 16, 32, None, cores=2, min_flops=per_batch) == 2
+    assert fold_workers(chosen, 16, 32, 0, cores=4, min_flops=per_batch) == 4
+    assert fold_workers(chosen, 16, 31, None, cores=2, min_flops=per_batch) == 1
+    assert fold_workers(chosen, 16, 32, 1, cores=2, min_flops=0) == 1  # a core left to it
+    assert fold_workers(chosen, 16, 32, None, cpu=False, cores=2, min_flops=0) == 1
+    assert fold_workers(chosen, 16, None, None, cores=2, min_flops=0) == 1
+    assert fold_workers(chosen, 16, 32, None, cores=1, min_flops=0) == 1
+    widths = [2048, 64, 1024, 1024, 512, 8]
+    layers = [SimpleNamespace(n_out=c, name=i) for i, c in enumerate(widths)]
+    groups = split_layers(layers, 2)
+    assert sorted(la.name for g in groups for la in g) == list(range(6))
+    assert [la.name for la in groups[0]] == [0]  # the largest alone
+    assert [la.name for la in groups[1]] == [1, 2, 3, 4, 5]  # the rest, in the pass order
+    assert len(split_layers(layers[:1], 3)) == 1  # no empty group
+
+
 def test_channel_section_summarises_each_layer(setup, tmp_path):
     """The analyze summary: per layer axis correlations, ARI and the peer-R² extremes,
     equal to the channels verb's on the same data."""

@@ -16,6 +16,7 @@ pass on an executor, shard by shard (:mod:`onnxdiag.channels.shards`).
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -33,7 +34,7 @@ from ..selection.probe import resolve_targets
 from . import shards
 from .moments import BatchFolder, ChannelStats, LayerMoments
 from .taps import InputTap, choose_taps, tap_names
-from .threads import session_threads
+from .threads import fold_workers, session_threads
 
 TASK_SAMPLES = ("match", "gap")
 MIN_CHANNELS = 4
@@ -130,7 +131,10 @@ def collect_channel_moments(model, structure, source, settings: StatsSettings | 
     across passes (otherwise one is made with ``providers``). ``overlap``: fold each
     batch's statistics on a worker thread while the next batch runs (same result, in
     the same order; the session then leaves that thread a core where the fold is large,
-    :func:`~onnxdiag.channels.threads.session_threads`). ``label``: a progress bar.
+    :func:`~onnxdiag.channels.threads.session_threads`), or, where a CPU session keeps
+    every core and each batch's fold is large, after its run with the layers split over
+    the cores (:func:`~onnxdiag.channels.threads.fold_workers`); False: in this thread,
+    after each run. The same moments bit for bit in every case. ``label``: a progress bar.
     Never modifies ``model``.
 
     Raises OnnxDiagError (bad settings, no analysable layer, a runner that does not
@@ -151,7 +155,12 @@ def collect_channel_moments(model, structure, source, settings: StatsSettings | 
                             "the analysed layers; make it with make_stats_runner(model, "
                             "structure, layers, tap=…) with this pass's settings.")
     folder = BatchFolder(chosen, taps, names, structure.head, settings, targets)
-    n_images = _fold_stream(runner.stream(source, fetch, label=label), folder.fold, overlap)
+    workers = fold_workers(chosen, settings.n_positions, getattr(source, "batch_size", None),
+                           runner.threads, cpu=runner.providers == ["CPUExecutionProvider"]
+                           ) if overlap else 1
+    fold = folder.fold if workers == 1 else functools.partial(folder.fold, workers=workers)
+    n_images = _fold_stream(runner.stream(source, fetch, label=label), fold,
+                            overlap and workers == 1)
     for acc in folder.acc.values():  # no deferred term leaves the pass
         acc.settle()
     return ChannelStats(layers=folder.acc, targets=targets, task_samples=settings.task_samples,

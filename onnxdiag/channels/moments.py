@@ -15,6 +15,7 @@ import numpy as np
 
 from ..data.labels import check_batch_labels
 from ..evaluate import head_arrays
+from ..runtime.pool import thread_map
 from ..stats import Moments, draw_positions
 from .taps import InputTap, token_rows
 
@@ -179,32 +180,61 @@ class BatchFolder:
         self.settings, self.targets = settings, targets
         self.acc = {la.node_name: LayerMoments.empty(la, settings.task_samples)
                     for la in chosen}
-        self.buffers: dict = {}  # reused float32 work buffers, one per (rows, columns)
+        # reused float32 work buffers per (rows, columns), one set per folding thread
+        self.buffers: list[dict] = [{}]
+        self.groups: dict[int, list] = {}  # workers → the layers each folds
 
-    def fold(self, batch, out) -> int:
-        """Fold ``out`` (the pass's outputs for ``batch``); the number of images."""
+    def fold(self, batch, out, workers: int = 1) -> int:
+        """Fold ``out`` (the pass's outputs for ``batch``); the number of images.
+        ``workers`` > 1: the layers split over that many threads (:func:`split_layers`);
+        each layer's moments are those of one thread, bit for bit."""
         s = self.settings
         _, U = head_arrays(out, self.head)
         if self.targets == "labels":
             check_batch_labels(batch.labels, batch.indices, U.shape[1], "the --data labels")
         t = target_margin(U, batch.labels if self.targets == "labels" else None)
         t_null = _shuffle(t, s.seed, batch.indices)
+        if workers <= 1:
+            self._fold_layers(self.chosen, batch, out, t, t_null, self.buffers[0])
+            return len(t)
+        if workers not in self.groups:
+            self.groups[workers] = split_layers(self.chosen, workers)
+            self.buffers += [{} for _ in range(workers - len(self.buffers))]
+        groups = self.groups[workers]
+        with thread_map(len(groups), workers) as pool:
+            pool(lambda j: self._fold_layers(groups[j], batch, out, t, t_null,
+                                             self.buffers[j]), range(len(groups)))
+        return len(t)
+
+    def _fold_layers(self, layers, batch, out, t, t_null, buffers: dict) -> None:
+        s = self.settings
         both = np.column_stack([t, t_null])
         positions: dict[int, tuple] = {}
-        for la in self.chosen:
+        for la in layers:
             tap, acc = self.taps[la.node_name], self.acc[la.node_name]
             if isinstance(tap, InputTap):
                 samples = tap.samples(out[self.names[tap.reads(la)]], batch.indices,
                                       s.n_positions, s.seed)
-                _fold_rows(acc.task, samples, both, samples.shape[0] // len(t), self.buffers)
+                _fold_rows(acc.task, samples, both, samples.shape[0] // len(t), buffers)
                 acc.n_images += len(t)
             else:
                 x = out[self.names[la.output]]
                 if not la.op_type.startswith("Conv"):  # (…, C) rows: inputs × tokens
                     x = token_rows(x, len(t))
                 _fold(acc, x, t, t_null, batch.indices, positions,
-                      s.n_positions, s.seed, s.task_samples, self.buffers)
-        return len(t)
+                      s.n_positions, s.seed, s.task_samples, buffers)
+
+
+def split_layers(layers, workers: int) -> list[list]:
+    """``layers`` in ``workers`` groups of about equal fold work ((C + 3)² each, the
+    Gram's), largest first onto the least loaded group; each group in the pass's order."""
+    loads, groups = [0] * workers, [[] for _ in range(workers)]
+    order = sorted(range(len(layers)), key=lambda i: -(layers[i].n_out + 3) ** 2)
+    for i in order:
+        j = loads.index(min(loads))
+        groups[j].append(i)
+        loads[j] += (layers[i].n_out + 3) ** 2
+    return [[layers[i] for i in sorted(g)] for g in groups if g]
 
 
 def _shuffle(t: np.ndarray, seed: int, indices: np.ndarray) -> np.ndarray:

@@ -57,3 +57,30 @@ def session_threads(structure, chosen, n_positions: int, *, cores: int | None = 
     if cores < 2 or fold is None or not structure.flops:
         return None
     return cores - 1 if fold >= share * structure.flops else None
+
+
+#: Fold FLOPs per batch from which a pass whose session keeps every core folds each batch
+#: after its run, its layers split over every core, rather than on one worker thread
+#: beside the next run, whose operators then wait for the core it takes (**our default**:
+#: ~20 ms of float32 Gram products on one core; ResNet-50 folds ~13 GFLOP per 32-image
+#: batch and read 1.54× → 1.40× plain; the 28×28 nets fold ≪ 1 GFLOP a batch, where the
+#: threads' dispatch costs more than the overlap; benchmarks/RESULTS.md).
+PARALLEL_FOLD_FLOPS = 2e9
+
+
+def fold_workers(chosen, n_positions: int, batch_size: int | None, session: int | None, *,
+                 cpu: bool = True, cores: int | None = None,
+                 min_flops: float | None = None) -> int:
+    """Threads that fold each batch after its run: every core (``cores``, default this
+    process's) when a ``cpu`` session keeps every core (``session``: its intra-op threads,
+    None or 0 for all) and the fold's estimated FLOPs per batch of ``batch_size`` are at
+    least ``min_flops`` (default :data:`PARALLEL_FOLD_FLOPS`); else 1 (the fold overlaps
+    the next run on one worker thread, as it always does beside a GPU session)."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+            (os.cpu_count() or 1)
+    fold = fold_flops(chosen, n_positions)
+    if not cpu or cores < 2 or session or not batch_size or fold is None:
+        return 1
+    limit = PARALLEL_FOLD_FLOPS if min_flops is None else min_flops
+    return cores if fold * batch_size >= limit else 1

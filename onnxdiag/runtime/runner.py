@@ -130,6 +130,7 @@ class OrtRunner:
         if not spinning:  # threads sleep between runs: leaves the cores to NumPy work
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.requested_providers = resolve_providers(providers)
+        self.threads = threads  # intra-op threads; None or 0: ORT's default, every core
         if shared_arena:
             from .arena import use_shared_arena
 
