@@ -16,6 +16,8 @@ round-robin in one process (so load from other processes hits each alike), the m
             session setting); on a loaded machine spinning threads can make plain slower
   channels  the channel-statistics pass (every analysed layer, default taps, a reused
             session, as in ``onnxdiag channels`` after session creation)
+  channels_overlap  the same with the fold always on one worker thread beside the next
+            run (``fold_threads=1``; ``channels`` picks by channels.threads.fold_workers)
   stats_session  the channel-statistics pass's ONNX Runtime part alone: its session
             (every analysed layer's tensor exposed, channels-last; its thread count) run
             over the images, no fold
@@ -68,9 +70,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import ROOT, check, load_fashion_mnist_test  # noqa: E402
 
-PASSES = ("plain", "plain_nospin", "channels", "stats_session", "readouts", "dense", "segments",
-          "rr", "prune", "sweep")
-BASELINE = {"channels": "plain", "stats_session": "plain", "readouts": "plain",
+PASSES = ("plain", "plain_nospin", "channels", "channels_overlap", "stats_session", "readouts",
+          "dense", "segments", "rr", "prune", "sweep")
+BASELINE = {"channels": "plain", "channels_overlap": "plain", "stats_session": "plain",
+            "readouts": "plain",
             "plain_nospin": "plain", "rr": "dense", "prune": "dense", "sweep": "dense",
             "dense_nospin": "dense", "segments": "dense"}
 
@@ -124,11 +127,15 @@ def make_passes(model_path: str, x, y, calib: int, batch_size: int, wanted,
     fns["plain"] = lambda: run_all(plain, source)
     quiet = StatsRunner(model)
     fns["plain_nospin"] = lambda: run_all(quiet, source)
-    if {"channels", "stats_session"} & set(wanted):
+    if {"channels", "channels_overlap", "stats_session"} & set(wanted):
         stats_runner = make_stats_runner(model, structure, n_positions=positions)
         fns["channels"] = lambda: collect_channel_moments(model, structure, source,
                                                           runner=stats_runner,
                                                           n_positions=positions)
+        # the fold always on one worker thread beside the next run (fold_threads=1)
+        fns["channels_overlap"] = lambda: collect_channel_moments(
+            model, structure, source, runner=stats_runner, n_positions=positions,
+            fold_threads=1)
         fns["stats_session"] = lambda: run_all(stats_runner, source)
     if "readouts" in wanted:
         head_runner = make_head_runner(model, structure.head)
@@ -300,10 +307,10 @@ def main(argv=None) -> int:
                       f"{platform.python_version()}"}
     res["memory_mib"] = {n: peak_memory(args.model, args.data, int(n), args.batch_size)
                          for n in args.memory.split(",") if n}
-    print(f"{'pass':12s} {'median s':>9s} {'x baseline':>10s} {'cpu s':>8s} {'cpu x':>7s}"
+    print(f"{'pass':16s} {'median s':>9s} {'x baseline':>10s} {'cpu s':>8s} {'cpu x':>7s}"
           "  baseline")
     for k, v in med.items():
-        print(f"{k:12s} {v:9.3f} {res['ratio'][k]:10.2f} {cpu[k]:8.3f} "
+        print(f"{k:16s} {v:9.3f} {res['ratio'][k]:10.2f} {cpu[k]:8.3f} "
               f"{res['cpu_ratio'][k]:7.2f}  {BASELINE.get(k, k)}")
     print("load average after the timings: " + ", ".join(f"{v:.2f}" for v in
                                                           res["load_average"]))

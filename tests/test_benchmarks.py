@@ -37,7 +37,7 @@ SMOKES = {
     "bench_reconstruct_channels.py": (None, ["| calibration images |", "| none | bn | recon |",
                                              "magnitude none | magnitude recon"]),
     "bench_passes.py": (None, ["x baseline", "plain_nospin", "stats_session", "segments", "prune",
-                           "peak RSS"]),
+                           "channels_overlap", "peak RSS"]),
     # the training environment of .ci/run runs it (-k finetune); the main one skips it
     "bench_finetune_sparse.py": ("onnxruntime.training",
                                  ["| model | S | dense | none | ls | finetune | ls+finetune |"]),

@@ -285,6 +285,10 @@ def test_layers_folded_on_every_core_give_identical_moments(setup, monkeypatch):
     monkeypatch.setattr(threads, "PARALLEL_FOLD_FLOPS", float("inf"))
     _collect(setup, 8, runner=runner)
     assert splits == [3]  # a small fold: beside the next run, one worker
+    two = _collect(setup, 8, runner=runner, fold_threads=2)  # asked for: two threads
+    assert splits == [3, 2]
+    for name, lm in serial.layers.items():
+        np.testing.assert_array_equal(lm.task.cov(), two.layers[name].task.cov())
 
 
 def test_fold_workers_and_split_layers():

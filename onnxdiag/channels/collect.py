@@ -122,7 +122,7 @@ def check_settings(settings: StatsSettings, source, structure) -> tuple[str, lis
 def collect_channel_moments(model, structure, source, settings: StatsSettings | None = None, *,
                             providers=None, label: str | None = None,
                             runner: OrtRunner | None = None, overlap: bool = True,
-                            **fields) -> ChannelStats:
+                            fold_threads: int | None = None, **fields) -> ChannelStats:
     """Stream ``source`` once and accumulate every analysed layer's moments (§B1).
 
     ``settings``: a :class:`StatsSettings`, or its fields as keywords (``layers=…,
@@ -133,8 +133,10 @@ def collect_channel_moments(model, structure, source, settings: StatsSettings | 
     the same order; the session then leaves that thread a core where the fold is large,
     :func:`~onnxdiag.channels.threads.session_threads`), or, where a CPU session keeps
     every core and each batch's fold is large, after its run with the layers split over
-    the cores (:func:`~onnxdiag.channels.threads.fold_workers`); False: in this thread,
-    after each run. The same moments bit for bit in every case. ``label``: a progress bar.
+    the cores (:func:`~onnxdiag.channels.threads.fold_workers`); ``fold_threads`` (with
+    ``overlap``) sets that choice: 1 the worker beside the next run, k ≥ 2 k threads after
+    each run, None as above. ``overlap`` False: in this thread, after each run. The same
+    moments bit for bit in every case. ``label``: a progress bar.
     Never modifies ``model``.
 
     Raises OnnxDiagError (bad settings, no analysable layer, a runner that does not
@@ -155,9 +157,9 @@ def collect_channel_moments(model, structure, source, settings: StatsSettings | 
                             "the analysed layers; make it with make_stats_runner(model, "
                             "structure, layers, tap=…) with this pass's settings.")
     folder = BatchFolder(chosen, taps, names, structure.head, settings, targets)
-    workers = fold_workers(chosen, settings.n_positions, getattr(source, "batch_size", None),
-                           runner.threads, cpu=runner.providers == ["CPUExecutionProvider"]
-                           ) if overlap else 1
+    workers = 1 if not overlap else fold_threads or fold_workers(
+        chosen, settings.n_positions, getattr(source, "batch_size", None), runner.threads,
+        cpu=runner.providers == ["CPUExecutionProvider"])
     fold = folder.fold if workers == 1 else functools.partial(folder.fold, workers=workers)
     n_images = _fold_stream(runner.stream(source, fetch, label=label), fold,
                             overlap and workers == 1)
