@@ -91,9 +91,10 @@ def load_images(data: str | None, n: int) -> tuple[np.ndarray, np.ndarray | None
 
 def make_passes(model_path: str, x, y, calib: int, batch_size: int, wanted,
                 fresh_agreement: bool = False, separate_dense: bool = False,
-                positions: int = 16) -> dict:
+                positions: int = 16, fold_threads: int | None = None) -> dict:
     """{pass: a callable running it once} for the ``wanted`` passes (``positions``: the
-    statistics pass's positions per image, ``--positions`` of ``onnxdiag channels``)."""
+    statistics pass's positions per image, ``--positions`` of ``onnxdiag channels``;
+    ``fold_threads``: the ``channels`` pass's, None: its own choice)."""
     from onnxdiag.channels.collect import (
         StatsRunner,
         collect_channel_moments,
@@ -131,7 +132,8 @@ def make_passes(model_path: str, x, y, calib: int, batch_size: int, wanted,
         stats_runner = make_stats_runner(model, structure, n_positions=positions)
         fns["channels"] = lambda: collect_channel_moments(model, structure, source,
                                                           runner=stats_runner,
-                                                          n_positions=positions)
+                                                          n_positions=positions,
+                                                          fold_threads=fold_threads)
         # the fold always on one worker thread beside the next run (fold_threads=1)
         fns["channels_overlap"] = lambda: collect_channel_moments(
             model, structure, source, runner=stats_runner, n_positions=positions,
@@ -278,6 +280,9 @@ def main(argv=None) -> int:
                     "every segment session its own CPU arena instead of the shared one")
     ap.add_argument("--positions", type=int, default=16, help="channels / stats_session: "
                     "positions sampled per image (the statistics pass's default: 16)")
+    ap.add_argument("--fold-threads", type=int, default=None, help="channels: fold each "
+                    "batch after its run on K threads (1: on one worker beside the next run; "
+                    "default: the pass's own choice, channels.threads.fold_workers)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -293,7 +298,8 @@ def main(argv=None) -> int:
         segments.SHARED_ARENA = False
     x, y = load_images(args.data, args.n)
     fns = make_passes(args.model, x, y, args.calib, args.batch_size, wanted,
-                      args.fresh_agreement, args.separate_dense_pass, args.positions)
+                      args.fresh_agreement, args.separate_dense_pass, args.positions,
+                      args.fold_threads)
     med, cpu, times = interleaved_medians(fns, args.repeat, 0.0 if args.smoke else 0.2,
                                           args.warmup)
     res = {"model": args.model, "n": args.n, "calib": args.calib, "positions": args.positions,
