@@ -303,6 +303,7 @@ def main(argv=None) -> int:
     med, cpu, times = interleaved_medians(fns, args.repeat, 0.0 if args.smoke else 0.2,
                                           args.warmup)
     res = {"model": args.model, "n": args.n, "calib": args.calib, "positions": args.positions,
+           "fold_threads": args.fold_threads,
            "seconds": med, "all_seconds": times,
            "ratio": {k: med[k] / base(med, k) for k in med},
            "cpu_seconds": cpu, "cpu_ratio": {k: cpu[k] / base(cpu, k, nospin=True)

@@ -189,3 +189,15 @@ def test_bench_passes_times_the_statistics_pass_at_the_positions_asked(tmp_path)
     assert got.returncode == 0, got.stderr[-2000:]
     res = json.loads(out.read_text())
     assert res["positions"] == 1 and {"channels", "stats_session"} <= set(res["ratio"])
+
+
+def test_bench_passes_runs_the_fold_on_the_threads_asked(tmp_path):
+    """``--fold-threads 2`` runs the statistics pass folding each batch after its run on
+    two threads beside ``channels_overlap`` (one worker), and says so in its JSON."""
+    out = tmp_path / "res.json"
+    got = _run([sys.executable, str(BENCH / "bench_passes.py"), "--smoke", "--passes",
+                "channels,channels_overlap", "--fold-threads", "2", "--memory", "",
+                "--json", str(out)])
+    assert got.returncode == 0, got.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["fold_threads"] == 2 and {"channels", "channels_overlap"} <= set(res["ratio"])
