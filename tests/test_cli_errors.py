@@ -116,9 +116,12 @@ def test_sigint_exits_130_and_releases_the_claimed_folder(tmp_path):
         f"    Path({str(marker)!r}).touch()\n"
         "    time.sleep(60)\n"
         "    yield {'input': z['input'][32:64], 'labels': z['labels'][32:64]}\n")
+    # SIGINT as a terminal delivers it: a shell's background job (how CI may run) starts
+    # with it ignored, which the child would inherit, and Python then never sees it
     proc = subprocess.Popen([sys.executable, "-m", "onnxdiag", "readouts", str(SAMPLE.model),
                              "--data", f"{script}:load_data", "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while not marker.exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
