@@ -321,12 +321,14 @@ def test_recalibrating_bns_that_share_parameters_copies_them_first():
 
 def _float64_path(monkeypatch):
     """The repair as before its float32 moments: every moment by Moments.update_axis
-    (float64 copies) and every BN measured on its patched input (no derived moments)."""
+    (float64 copies) and every BN measured on its patched input (no derived moments, no
+    stand-in BN)."""
     from onnxdiag.sparsity import recal, sequential
     from onnxdiag.stats import Moments
 
     monkeypatch.setattr(Moments, "update_channels", lambda self, x: self.update_axis(x, 1))
     monkeypatch.setattr(sequential, "scaled_moments", lambda rep: None)
+    monkeypatch.setattr(sequential, "deferred_bn", lambda *args: None)
     assert recal.recalibrate_bn is sequential.recalibrate_bn
 
 

@@ -232,7 +232,7 @@ def fold_repair(frontier: dict, editor: ModelEditor, layer, dense: Moments, cr_k
     if patch:
         with thread_map(len(frontier[layer.output])) as pool:  # each batch its own patch
             frontier[layer.output] = pool(
-                lambda y: patched(layer, y, alpha, shift if in_node else None),
+                lambda y: _patched(layer, y, alpha, shift if in_node else None),
                 frontier[layer.output])
     return LayerRepair(layer.node_name, "affine" if affine else "scale", alpha, shift,
                        np.sqrt(vd), np.sqrt(vp), int(np.sum(alpha >= cap)), pruned.mean,
@@ -285,7 +285,7 @@ def _fold_bias(editor, index, layer, node, alpha, dense, pruned, affine) -> tupl
     return shift, in_node
 
 
-def patched(layer, y: np.ndarray, alpha: np.ndarray, in_node) -> np.ndarray:
+def _patched(layer, y: np.ndarray, alpha: np.ndarray, in_node) -> np.ndarray:
     """A cached output batch after the fold: α·y (+ the in-node shift)."""
     shape = (1, -1, *[1] * (y.ndim - 2)) if layer.op_type == "Conv" else (-1,)
     if y.dtype == np.float32 and y.flags.writeable:  # a segment's own output: in place

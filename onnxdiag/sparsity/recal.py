@@ -12,8 +12,8 @@ from onnx import helper, numpy_helper
 from ..errors import OnnxDiagError
 from ..graph import GraphIndex
 from ..graph._records import jsonable
-from ..graph.index import get_attr
 from ..model.edit import ModelEditor
+from ..model.optimize import bn_affine
 from ..stats import Moments
 
 
@@ -71,40 +71,33 @@ def deferred_bn(editor: ModelEditor, tensor: str, outputs=()) -> onnx.NodeProto 
     if tensor in outputs or editor.uses(tensor) != 1:
         return None
     bn = editor.index.sole_consumer(tensor)
-    if (bn is None or bn.op_type != "BatchNormalization" or len(bn.output) != 1
-            or bn.input[0] != tensor or get_attr(bn, "training_mode", 0)
-            or get_attr(bn, "spatial", 1) != 1):
+    if bn is None or bn.input[0] != tensor or bn_affine(bn, editor.index.get_constant) is None:
         return None
-    values = [editor.index.get_constant(t) for t in bn.input[1:5]]
-    sizes = {np.size(v) if v is not None and np.ndim(v) == 1 else -1 for v in values}
-    return bn if len(sizes) == 1 and sizes != {-1} else None
+    return bn
 
 
 def bn_stand_in(editor: ModelEditor, bn: onnx.NodeProto, alpha: np.ndarray
                 ) -> tuple[onnx.NodeProto, list[onnx.TensorProto]]:
     """What a segment runs instead of ``bn`` when its cached input y was not patched after
-    its conv's weights were scaled by α: a BatchNormalization of y with scale
-    γ·α₃₂/√(v + ε), bias β − γ·m/√(v + ε), mean 0, variance 1 and ε = 0 — ``bn`` with its
-    parameters in ``editor`` now applied to α₃₂·y (the patched cache, α rounded to
-    float32 as the patch multiplies) to float32 rounding, without a pass over the cache.
+    its conv's weights were scaled by α: a BatchNormalization of y with scale s·α₃₂, bias
+    b, mean 0, variance 1 and ε = 0, where ``bn`` (its parameters in ``editor`` now) is
+    y ↦ s·y + b (:func:`~onnxdiag.model.optimize.bn_affine`) — ``bn`` applied to α₃₂·y
+    (the patched cache, α rounded to float32 as the patch multiplies) to float32
+    rounding, without a pass over the cache.
     Returns the node (same name, input and output) and the initializers it reads."""
-    gamma, beta, mean, var = (np.asarray(editor.value(t), np.float64)
-                              for t in bn.input[1:5])
-    dtype = editor.value(bn.input[1]).dtype
-    inv = gamma / np.sqrt(var + float(get_attr(bn, "epsilon", 1e-5)))
+    s, b = bn_affine(bn, editor.value)
     a32 = np.asarray(alpha, np.float32).astype(np.float64)
-    values = (inv * a32, beta - inv * mean, np.zeros_like(mean), np.ones_like(var))
+    values = (s * a32, b, np.zeros_like(b), np.ones_like(b))
+    dtype = editor.value(bn.input[1]).dtype
     names = [editor.unique(f"{bn.name}_stand_in_{part}") for part in ("scale", "B", "mean",
                                                                        "var")]
     node = onnx.NodeProto()
     node.CopyFrom(bn)
     del node.input[1:]
     node.input.extend(names)
-    for attr in node.attribute:
-        if attr.name == "epsilon":
-            attr.f = 0.0
-    if not any(attr.name == "epsilon" for attr in node.attribute):
-        node.attribute.append(helper.make_attribute("epsilon", 0.0))
+    kept = [a for a in node.attribute if a.name != "epsilon"]
+    del node.attribute[:]
+    node.attribute.extend([*kept, helper.make_attribute("epsilon", 0.0)])
     return node, [numpy_helper.from_array(v.astype(dtype), n) for v, n in zip(values, names)]
 
 

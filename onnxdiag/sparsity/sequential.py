@@ -11,7 +11,7 @@ as measured and the BN's segment runs :func:`~onnxdiag.sparsity.recal.bn_stand_i
 from __future__ import annotations
 
 from ..runtime.progress import progress
-from .fold import fold_repair, patched
+from .fold import fold_repair
 from .recal import bn_stand_in, deferred_bn, recalibrate_bn, scaled_moments
 from .segments import SegmentedPass
 
@@ -31,12 +31,13 @@ def sequential_repair(editor, batches, layers, dense, bns, cr_kind, affine, alph
     done_layers, done_bns, scaled = {}, {}, {}
     # a scaled conv read by its BN alone keeps its cached output as measured: the BN's
     # segment runs a stand-in with α folded in, once the BN's own statistics are final
-    deferred: dict = {}
+    # (taken from the conv's scaled moments, never from the unpatched cache)
+    deferred: list = []
 
     def run_to(pos, keep):
         if pos > seg.done:
             seg.stand_ins.update((bn.name, bn_stand_in(editor, bn, a))
-                                 for bn, a, _ in deferred.values())
+                                 for bn, a in deferred)
             deferred.clear()
         seg.run_to(pos, keep=keep)
 
@@ -53,14 +54,10 @@ def sequential_repair(editor, batches, layers, dense, bns, cr_kind, affine, alph
             if rep.kind == "scale" and la.op_type == "Conv":  # its BN's input moments
                 scaled[la.output] = scaled_moments(rep)
             if bn is not None:
-                deferred[la.output] = (bn, rep.alpha, la)
+                deferred.append((bn, rep.alpha))
         else:
-            known = scaled.get(tensor)
-            if known is None and tensor in deferred:  # measured on the cache: patch it now
-                _, alpha, la = deferred.pop(tensor)
-                seg.frontier[tensor] = [patched(la, y, alpha, None)
-                                        for y in seg.frontier[tensor]]
-            done_bns[bns[i].name] = recalibrate_bn(seg.frontier, editor, bns[i], known)
+            done_bns[bns[i].name] = recalibrate_bn(seg.frontier, editor, bns[i],
+                                                   scaled.get(tensor))
     if outputs:  # every repair is in place: the rest of the graph sees them all
         run_to(max(seg.position(t) for t in outputs), outputs)
     values = {t: seg.frontier[t] for t in outputs if t in seg.frontier}
