@@ -105,20 +105,29 @@ def test_depthwise_taps_sum_in_float32_as_the_conv_does(derived, positions):
 
 
 def test_auto_derives_a_layer_only_where_it_saves_an_exposure(monkeypatch):
-    """"auto" derives a layer only where its float64 work is at most DERIVE_SHARE of its
-    output's values: none of this 8×8 MobileNet block's at the default share; at share 1
-    and one position per image, a conv read through a BN from the exposed first conv (so
-    the first conv keeps its output tap and the derived output is not exposed). The
-    statistics of every layer equal those of output taps to float32 rounding. Of two
-    layers in a row only one is derived."""
+    """"auto" derives an output-tapped layer only where its float64 work is at most
+    DERIVE_SHARE (grouped convs) or DERIVE_DENSE_SHARE (ungrouped) of its output's values:
+    none of this 8×8 MobileNet block's at shares of 1/16; at the default dense share the
+    1×1 pointwise conv; at share 1 and one position per image, a conv read through a BN
+    from the exposed first conv (so the first conv keeps its output tap and the derived
+    output is not exposed). The statistics of every layer equal those of output taps to
+    float32 rounding. Of two layers in a row only one is derived."""
     from onnxdiag.channels import taps as taps_module
 
     model = model_io.load_model(corpus.depthwise_pointwise())
     structure = analyze_structure(model)
     chosen = find_analysed_layers(structure)
-    assert not any(isinstance(t, DerivedInputTap)
-                   for t in choose_taps(model, chosen, "auto", n_positions=1).values())
+
+    def derived_now():
+        return sorted(name for name, t in choose_taps(model, chosen, "auto",
+                                                       n_positions=1).items()
+                      if isinstance(t, DerivedInputTap))
+
+    assert derived_now() == ["pw"]  # the default dense share: 1·8·16 ≤ 4 · 16·64
+    monkeypatch.setattr(taps_module, "DERIVE_DENSE_SHARE", 1 / 16)
+    assert derived_now() == []
     monkeypatch.setattr(taps_module, "DERIVE_SHARE", 1.0)
+    monkeypatch.setattr(taps_module, "DERIVE_DENSE_SHARE", 1.0)
     taps = choose_taps(model, chosen, "auto", n_positions=1)
     kinds = {name: type(t).__name__ if not isinstance(t, str) else t
              for name, t in taps.items()}
@@ -159,3 +168,50 @@ def test_only_act_of_bn_is_a_derivable_input():
         got = {la.node_name: _bn_act_chain(index, la.input) is not None
                for la in find_analysed_layers(analyze_structure(model))}
         assert got == expected, build.__name__
+
+
+def _bottleneck():
+    """x → "c0" (3→4, 3×3) → bn → Relu → "expand" (1×1, 4→32, no bias) → bn → Relu →
+    GAP → Gemm head: "expand" is input-tapped (its input has an eighth of its output's
+    values) and its input is relu(BN(c0))."""
+    g = corpus.GraphBuilder(5)
+    r0 = g.node("Relu", [g.bn(g.conv("x", "c0", 3, 4), "c0_bn", 4)], "relu0")
+    e = g.conv(r0, "expand", 4, 32, k=1, bias=False)
+    r1 = g.node("Relu", [g.bn(e, "expand_bn", 32)], "relu1")
+    g.gemm(g.pool_flatten(r1), "head", 32, corpus.N_CLASSES, out="logits")
+    return g.model([corpus.image_input()], [corpus.logits_output()])
+
+
+def test_an_input_tapped_conv_reads_the_exposed_conv_before_it():
+    """An input-tapped conv whose input is relu(BN(y)) of an exposed conv output y is
+    derived from y (no added work: its float64 product is the input tap's), so its input
+    is not exposed; the statistics equal those of output taps and of the plain input tap
+    to float32 rounding, at sampled and at every position."""
+    from onnxdiag.channels import collect as collect_module
+
+    model = model_io.load_model(_bottleneck())
+    structure = analyze_structure(model)
+    chosen = find_analysed_layers(structure)
+    taps = choose_taps(model, chosen, "auto", n_positions=4)
+    assert taps["c0"] == "output" and isinstance(taps["expand"], DerivedInputTap)
+    assert taps["expand"].source == "c0" and taps["expand"].reads(None) == "c0"
+    tensors, _ = collect_module._tensors(chosen, taps)
+    assert set(tensors) == {"c0"}  # relu0, the input tap's tensor, is not exposed
+    feeds = corpus.random_feeds(model, batch=N, seed=3)
+    y = np.random.default_rng(1).integers(0, 5, N)
+    for positions in (4, 100):
+        def stats(tap):
+            source = open_data({**feeds, "labels": y}, model_io.get_input_specs(model),
+                               batch_size=7)
+            return collect_channel_moments(model, structure, source, seed=1,
+                                           n_positions=positions, tap=tap,
+                                           targets="labels")
+
+        got, want, plain = stats("auto"), stats("output"), stats("input")
+        assert got.taps["expand"] == "input" and want.taps["expand"] == "output"
+        for ref in (want, plain):
+            a, b = got.layers["expand"].task, ref.layers["expand"].task
+            scale = np.sqrt(np.diag(b.cov()[:32, :32]))
+            err = np.abs(a.cov()[:32, :32] - b.cov()[:32, :32]) / np.outer(scale, scale)
+            assert err.max() < 1e-5
+            np.testing.assert_allclose(a.mean[:32], b.mean[:32], atol=1e-5 * scale.max())

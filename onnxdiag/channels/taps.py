@@ -19,12 +19,16 @@ import numpy as np
 from ..errors import OnnxDiagError
 
 TAPS = ("auto", "output", "input")
-#: A derived input tap's float64 work (k·C_in/groups·Πkernel·C_out per image) at most this
-#: share of its output's values (**our default**): the fold then does that work, plus the
-#: gather and the BN + activation of the patches, on the thread that overlaps ONNX
-#: Runtime, so it pays only where the exposure it saves is far larger
+#: A derived input tap's work on a grouped (depthwise) conv (k·C_in/groups·Πkernel·C_out
+#: per image) at most this share of its output's values (**our default**): the fold then
+#: does that work as one small product per group, plus the gather and the BN + activation
+#: of the patches, so it pays only where the exposure it saves is far larger
 #: (benchmarks/RESULTS.md).
 DERIVE_SHARE = 1 / 16
+#: The same for an ungrouped conv, whose work at the sampled positions is one BLAS product
+#: (**our default**: ResNet-50's 1×1 expansions at 28×28 (work 2.5 times the output's
+#: values) are derived, those at 14×14 (21) are not; benchmarks/RESULTS.md).
+DERIVE_DENSE_SHARE = 4.0
 
 
 @dataclass(frozen=True)
@@ -194,32 +198,48 @@ def choose_taps(model, chosen, tap: str = "auto", task_samples: str = "match",
 
 
 def _derive_taps(index, chosen, taps: dict, n_positions: int) -> None:
-    """In place: an output-tapped 2-D conv whose input is act(BN(y)) of another
-    output-tapped 2-D conv's output y gets a :class:`DerivedInputTap` where its float64
-    work at the sampled positions is at most ``DERIVE_SHARE`` of one pass over its output
-    (typically a depthwise conv on a large map). y's layer then keeps its output tap, so
-    of two such layers in a row only one is derived: the candidates are taken largest
-    output first."""
+    """In place: a 2-D conv whose input is act(BN(y)) of another output-tapped 2-D conv's
+    output y gets a :class:`DerivedInputTap` where that saves exposing a tensor: an
+    output-tapped conv where its float64 work at the sampled positions is at most
+    ``DERIVE_SHARE`` (grouped convs; typically a depthwise conv on a large map) or
+    ``DERIVE_DENSE_SHARE`` (a BLAS product) of one pass over its output (its output is
+    then not exposed), and an input-tapped conv always (it does that
+    work already; its input is then not exposed: e.g. a bottleneck's 1×1 expansion reading
+    relu(BN(y)) of the conv before it). y's layer then keeps its output tap, so of two
+    such layers in a row only one is derived: the input-tapped candidates are taken first,
+    then the largest saving first."""
     exposed = {la.output for la in chosen if taps[la.node_name] == "output"
                and la.op_type == "Conv" and len(la.kernel) == 2}
     candidates = []
     for la in chosen:
-        if taps[la.node_name] != "output" or la.op_type != "Conv" or len(la.kernel) != 2 \
-                or _input_tap_obstacle(la, "match") \
-                or not _float64_is_cheap(la, n_positions, DERIVE_SHARE):
+        tap = taps[la.node_name]
+        if la.op_type != "Conv" or len(la.kernel) != 2 or _input_tap_obstacle(la, "match"):
+            continue
+        if tap == "output":
+            share = DERIVE_SHARE if la.groups > 1 else DERIVE_DENSE_SHARE
+            if not _float64_is_cheap(la, n_positions, share):
+                continue
+            saving = int(np.prod(la.output_shape[1:]))
+        elif type(tap) is InputTap:
+            saving = int(np.prod(la.input_shape[1:]))
+        else:
             continue
         chain = _bn_act_chain(index, la.input)
         if chain is not None and chain[0] in exposed and chain[0] != la.output:
-            candidates.append((la, chain))
+            candidates.append((saving, la, chain))
     derived: set[str] = set()  # outputs no longer exposed
     pinned: set[str] = set()  # outputs a derived tap reads
-    for la, chain in sorted(candidates, key=lambda c: -int(np.prod(c[0].output_shape[1:]))):
+    # input-tapped convs first (their derivation adds no work), then the largest saving
+    for _, la, chain in sorted(candidates, key=lambda c: (taps[c[1].node_name] == "output",
+                                                          -c[0])):
         if la.output in pinned or chain[0] in derived:
             continue
-        base = _input_tap(index, la)
+        base = taps[la.node_name]
+        if base == "output":
+            base = _input_tap(index, la)
+            derived.add(la.output)
         taps[la.node_name] = DerivedInputTap(base.op, base.kernel, base.matrix, base.bias,
                                              *chain)
-        derived.add(la.output)
         pinned.add(chain[0])
 
 
