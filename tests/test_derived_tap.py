@@ -200,7 +200,7 @@ def test_an_input_tapped_conv_reads_the_exposed_conv_before_it():
     feeds = corpus.random_feeds(model, batch=N, seed=3)
     y = np.random.default_rng(1).integers(0, 5, N)
     for positions in (4, 100):
-        def stats(tap):
+        def stats(tap, positions=positions):
             source = open_data({**feeds, "labels": y}, model_io.get_input_specs(model),
                                batch_size=7)
             return collect_channel_moments(model, structure, source, seed=1,
