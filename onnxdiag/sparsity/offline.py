@@ -7,6 +7,7 @@ pruned-away part — is then one (batched) matrix product with those columns.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -180,21 +181,34 @@ def sampled_patches(op, x: np.ndarray, kernel: tuple[int, int], positions: int, 
         x_last = x.transpose(0, 2, 3, 1)
     x_last = np.ascontiguousarray(x_last, dtype=np.float32).reshape(-1, c)
     flat = draw_positions(ho * wo, positions, seed=seed, sample_indices=sample_indices)
-    # input coordinates (m, kh·kw) of every patch element; outside the input: padding (0)
-    r = ((flat // wo) * op.stride[0] - pads[0]).reshape(-1, 1, 1) + (
-        np.arange(kernel[0]) * op.dilation[0])[None, :, None]
-    q = ((flat % wo) * op.stride[1] - pads[1]).reshape(-1, 1, 1) + (
-        np.arange(kernel[1]) * op.dilation[1])[None, None, :]
-    inside = ((r >= 0) & (r < h) & (q >= 0) & (q < w)).reshape(r.shape[0], -1)
-    img = np.repeat(np.arange(n), flat.shape[1])[:, None]
-    rows = img * (h * w) + (np.clip(r, 0, h - 1) * w + np.clip(q, 0, w - 1)).reshape(
-        r.shape[0], -1)
+    offsets, inside, edge = _patch_table((h, w), tuple(kernel), tuple(op.stride), pads,
+                                         tuple(op.dilation), (ho, wo))
+    taps = offsets.shape[1]
+    rows = ((np.arange(n) * (h * w))[:, None, None] + offsets[flat]).reshape(-1, taps)
     patches = np.take(x_last, rows, axis=0)  # (m, kh·kw, C)
     if transform is not None:
         patches = transform(patches)
-    if not inside.all():
-        patches[~inside] = 0  # the padded elements only (a broadcast product: 30× slower)
+    if edge:  # the padded elements only (a broadcast product: 30× slower)
+        patches[~inside[flat].reshape(-1, taps)] = 0
     return patches
+
+
+@functools.lru_cache(maxsize=64)
+def _patch_table(spatial, kernel, stride, pads, dilation, out) -> tuple:
+    """Per output position of a 2-D conv (row-major over ``out``) and patch element: the
+    input's flat index within the image (clipped into the input), whether it lies inside
+    the input (else padding: 0), and whether any element lies outside. One table per
+    geometry, shared by every batch (read-only)."""
+    (h, w), (ho, wo) = spatial, out
+    flat = np.arange(ho * wo)
+    r = ((flat // wo) * stride[0] - pads[0]).reshape(-1, 1, 1) + (
+        np.arange(kernel[0]) * dilation[0])[None, :, None]
+    q = ((flat % wo) * stride[1] - pads[1]).reshape(-1, 1, 1) + (
+        np.arange(kernel[1]) * dilation[1])[None, None, :]
+    inside = ((r >= 0) & (r < h) & (q >= 0) & (q < w)).reshape(ho * wo, -1)
+    offsets = (np.clip(r, 0, h - 1) * w + np.clip(q, 0, w - 1)).reshape(ho * wo, -1)
+    offsets.flags.writeable = inside.flags.writeable = False
+    return offsets, inside, not inside.all()
 
 
 def sampled_rows(x: np.ndarray, positions: int, *, seed: int, sample_indices) -> np.ndarray:
