@@ -208,17 +208,19 @@ def test_gram_moments_equal_update_sums_and_settle_before_every_read(monkeypatch
                                                   rowvar=False), rtol=1e-10)
 
 
+@pytest.mark.parametrize("spatial", [(6, 5), (1, 1)])  # 16 of 30 positions; one (k = 1)
 @pytest.mark.parametrize("cuts", [[], [1, 2, 3, 4, 5, 6], [7, 19]])
-def test_fast_fold_equals_moments_on_concatenated_rows(cuts):
+def test_fast_fold_equals_moments_on_concatenated_rows(cuts, spatial):
     """The hot loop (row gather from the channels-last output, float32 Gram blocks around
     each batch's mean) equals Moments.update on the explicitly gathered float64 rows of the
     NCHW tensor with T repeated per position, within the float32-product bound, for any
-    split; the targets' own moments (float64 block) to 1e-12."""
+    split, also on a 1×1 map (one row an image); the targets' own moments (float64 block)
+    to 1e-12."""
     from onnxdiag.channels.moments import GramMoments, LayerMoments, _fold
 
     rng = np.random.default_rng(9)
     n, c = 23, 5
-    x = (rng.normal(size=(n, c, 6, 5)) * 3 + 40).astype(np.float32)  # |mean| >> std
+    x = (rng.normal(size=(n, c, *spatial)) * 3 + 40).astype(np.float32)  # |mean| >> std
     last = np.ascontiguousarray(np.moveaxis(x, 1, -1))  # what the stats session returns
     t, t_null = rng.normal(size=n), rng.normal(size=n)
     idx = np.arange(n) + 1000
@@ -226,10 +228,11 @@ def test_fast_fold_equals_moments_on_concatenated_rows(cuts):
     buffers: dict = {}
     for part in np.split(np.arange(n), cuts):
         _fold(acc, last[part], t[part], t_null[part], idx[part], {}, 16, 3, "match", buffers)
-    pos = draw_positions(30, 16, seed=3, sample_indices=idx)
+    pos = draw_positions(spatial[0] * spatial[1], 16, seed=3, sample_indices=idx)
+    k = pos.shape[1]
     rows = x.reshape(n, c, -1)[np.arange(n)[:, None], :, pos].reshape(-1, c)
-    ref = np.column_stack([rows.astype(np.float64), np.repeat(t, 16), np.repeat(t_null, 16)])
-    assert acc.task.n == n * 16 and acc.n_images == n
+    ref = np.column_stack([rows.astype(np.float64), np.repeat(t, k), np.repeat(t_null, k)])
+    assert acc.task.n == n * k and acc.n_images == n
     _assert_within_float32_bound(acc.task.mean, acc.task.cov(), ref)
     np.testing.assert_allclose(acc.task.cov()[c:, c:], np.cov(ref, rowvar=False)[c:, c:],
                                rtol=1e-12)
