@@ -255,10 +255,17 @@ def _inputs(model, layers, calib):
         model, f, [la.input])[la.input] for f in calib]) for la in layers}
 
 
+@pytest.mark.parametrize("table", [True, False])
 @pytest.mark.parametrize("build", [_conv_geometry_model, _conv1d_model, depthwise_pointwise])
-def test_sampled_columns_are_the_drawn_rows_of_the_full_im2col(build):
+def test_sampled_columns_are_the_drawn_rows_of_the_full_im2col(build, table, monkeypatch):
     """Sampled patches (NumPy or ORT channels-last gather, padding included) are exactly
-    the full im2col's rows at draw_positions' positions, per image, for any batch split."""
+    the full im2col's rows at draw_positions' positions, per image, for any batch split;
+    from the geometry's cached patch table and (``table`` False: a map above
+    PATCH_TABLE_ENTRIES) from the drawn positions' entries alone."""
+    from onnxdiag.sparsity import offline
+
+    if not table:
+        monkeypatch.setattr(offline, "PATCH_TABLE_ENTRIES", 0)
     model = load_model(build())
     index = GraphIndex(model)
     calib = [random_feeds(model, batch=5, seed=i) for i in range(2)]

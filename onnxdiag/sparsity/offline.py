@@ -181,32 +181,50 @@ def sampled_patches(op, x: np.ndarray, kernel: tuple[int, int], positions: int, 
         x_last = x.transpose(0, 2, 3, 1)
     x_last = np.ascontiguousarray(x_last, dtype=np.float32).reshape(-1, c)
     flat = draw_positions(ho * wo, positions, seed=seed, sample_indices=sample_indices)
-    offsets, inside, edge = _patch_table((h, w), tuple(kernel), tuple(op.stride), pads,
-                                         tuple(op.dilation), (ho, wo))
-    taps = offsets.shape[1]
-    rows = ((np.arange(n) * (h * w))[:, None, None] + offsets[flat]).reshape(-1, taps)
+    geometry = ((h, w), tuple(kernel), tuple(op.stride), pads, tuple(op.dilation), (ho, wo))
+    taps = kernel[0] * kernel[1]
+    if ho * wo * taps <= PATCH_TABLE_ENTRIES:  # the geometry's table, made once
+        table, inside, edge = _patch_table(*geometry)
+        offsets, outside = table[flat], (~inside[flat] if edge else None)
+    else:  # a large map: the drawn positions' entries only
+        offsets, inside = _patch_offsets(flat.reshape(-1), *geometry)
+        outside = None if inside.all() else ~inside
+    rows = ((np.arange(n) * (h * w))[:, None, None] + offsets.reshape(n, -1, taps)).reshape(
+        -1, taps)
     patches = np.take(x_last, rows, axis=0)  # (m, kh·kw, C)
     if transform is not None:
         patches = transform(patches)
-    if edge:  # the padded elements only (a broadcast product: 30× slower)
-        patches[~inside[flat].reshape(-1, taps)] = 0
+    if outside is not None:  # the padded elements only (a broadcast product: 30× slower)
+        patches[outside.reshape(-1, taps)] = 0
     return patches
 
 
-@functools.lru_cache(maxsize=64)
-def _patch_table(spatial, kernel, stride, pads, dilation, out) -> tuple:
-    """Per output position of a 2-D conv (row-major over ``out``) and patch element: the
-    input's flat index within the image (clipped into the input), whether it lies inside
-    the input (else padding: 0), and whether any element lies outside. One table per
-    geometry, shared by every batch (read-only)."""
-    (h, w), (ho, wo) = spatial, out
-    flat = np.arange(ho * wo)
+#: Largest patch table (output positions × kernel taps) :func:`sampled_patches` keeps per
+#: conv geometry (**our default**: 2^20 entries, 9 MiB; a 224×224 net's 7×7 stem at 112×112
+#: needs 0.6 M); above it, each batch computes its drawn positions' entries only.
+PATCH_TABLE_ENTRIES = 1 << 20
+
+
+def _patch_offsets(flat, spatial, kernel, stride, pads, dilation, out) -> tuple:
+    """For the output positions ``flat`` (row-major over ``out``) of a 2-D conv: each
+    patch element's flat index within the input image (clipped into it), ``(len(flat),
+    kh·kw)``, and whether it lies inside the input (else padding: 0)."""
+    (h, w), wo = spatial, out[1]
     r = ((flat // wo) * stride[0] - pads[0]).reshape(-1, 1, 1) + (
         np.arange(kernel[0]) * dilation[0])[None, :, None]
     q = ((flat % wo) * stride[1] - pads[1]).reshape(-1, 1, 1) + (
         np.arange(kernel[1]) * dilation[1])[None, None, :]
-    inside = ((r >= 0) & (r < h) & (q >= 0) & (q < w)).reshape(ho * wo, -1)
-    offsets = (np.clip(r, 0, h - 1) * w + np.clip(q, 0, w - 1)).reshape(ho * wo, -1)
+    inside = ((r >= 0) & (r < h) & (q >= 0) & (q < w)).reshape(len(flat), -1)
+    offsets = (np.clip(r, 0, h - 1) * w + np.clip(q, 0, w - 1)).reshape(len(flat), -1)
+    return offsets, inside
+
+
+@functools.lru_cache(maxsize=16)
+def _patch_table(spatial, kernel, stride, pads, dilation, out) -> tuple:
+    """:func:`_patch_offsets` of every output position of one conv geometry, read-only,
+    and whether any patch element lies in the padding: shared by every batch."""
+    offsets, inside = _patch_offsets(np.arange(out[0] * out[1]), spatial, kernel, stride,
+                                     pads, dilation, out)
     offsets.flags.writeable = inside.flags.writeable = False
     return offsets, inside, not inside.all()
 
