@@ -6,7 +6,8 @@
   per-position head (docs/METHODS.md §A4) on label maps: mean IoU, pixel accuracy and
   per-pixel cross-entropy, ignore-index pixels left out.
 - :func:`evaluate_model` — the same over a head runner.
-- :func:`compare_models` — max logit difference and top-1 agreement of two models."""
+- :func:`compare_models` — max logit difference and top-1 agreement of two models
+  (:func:`compare_logits` from logits already at hand)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def compare_models(source_runner, emitted_runner, source, head, *, max_batches: 
     Both runners must expose the head's features and logits (``probe.make_head_runner``).
 
     Returns max |Δlogit|, relative difference and the top-1 agreement, over at most
-    ``max_batches`` batches.
+    ``max_batches`` batches (:func:`compare_logits` of their logits, batch by batch).
     """
     names = [head.features, head.logits]
     diff = scale = 0.0
@@ -39,10 +40,25 @@ def compare_models(source_runner, emitted_runner, source, head, *, max_batches: 
             break
         _, ua = head_arrays(source_runner.run(batch.feeds, names), head)
         _, ub = head_arrays(emitted_runner.run(batch.feeds, names), head)
-        diff = max(diff, float(np.max(np.abs(ua - ub))))
-        scale = max(scale, float(np.max(np.abs(ua))))
-        agree += int(np.sum(ua.argmax(1) == ub.argmax(1)))
-        n += ua.shape[0]
+        d, s, a, m = _logit_stats(ua, ub)
+        diff, scale, agree, n = max(diff, d), max(scale, s), agree + a, n + m
+    return _comparison(diff, scale, agree, n)
+
+
+def compare_logits(ua: np.ndarray, ub: np.ndarray) -> dict:
+    """:func:`compare_models`' record from two models' logits already at hand, ``(rows,
+    n_classes)`` each (rows = samples, or positions of a per-position head)."""
+    return _comparison(*_logit_stats(ua, ub))
+
+
+def _logit_stats(ua, ub) -> tuple[float, float, int, int]:
+    """(max |ua − ub|, max |ua|, rows with the same top-1, rows) of two logit arrays."""
+    ua, ub = np.asarray(ua, np.float64), np.asarray(ub, np.float64)
+    return (float(np.max(np.abs(ua - ub), initial=0.0)), float(np.max(np.abs(ua), initial=0.0)),
+            int(np.sum(ua.argmax(1) == ub.argmax(1))), ua.shape[0])
+
+
+def _comparison(diff: float, scale: float, agree: int, n: int) -> dict:
     return {"n_samples": n, "max_abs_logit_diff": diff,
             "max_rel_logit_diff": diff / (scale + 1e-12),
             "top1_agreement": agree / n if n else None}

@@ -30,7 +30,12 @@ def corpus_files(tmp_path_factory):
 
 
 def test_cli_choices_match_the_library():
+    from onnxdiag.cli import options
+    from onnxdiag.runtime import latency
+
     assert cli_sparse.RULE_CHOICES == RULES and cli_sparse.REPAIR_CHOICES == METHODS
+    assert (options.LATENCY_BUDGET_S, options.MIN_ROUNDS) == (latency.LATENCY_BUDGET_S,
+                                                              latency.MIN_ROUNDS)
 
 
 @pytest.mark.parametrize("command", ["rr", "prune", "sweep"])
@@ -173,10 +178,13 @@ def test_prune_of_an_skl2onnx_mlp_prunes_every_layer(mlp, tmp_path):
     model, data = mlp
     out = tmp_path / "p.onnx"
     result = run("prune", model, "--sparsity", 0.5, "--data", data, "-o", out,
-                 "--out", tmp_path / "rep", "--format", "json")
+                 "--out", tmp_path / "rep", "--format", "json", "--latency-budget", 0)
     assert result.exit_code == 0, result.output
     info = json.loads(result.stdout)["prune"]
     assert (info["n_pruned"], info["n_weights"]) == (592, 1184)
+    # a zero latency budget times the floor of rounds at each batch size
+    assert info["latency_ms"]["budget_s"] == 0 and info["latency_ms"]["rounds_run"] == {
+        "1": 5, "32": 5}
     assert sorted(info["layer_sparsity"]) == ["MatMul", "MatMul1"] and out.exists()
 
 

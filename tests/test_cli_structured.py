@@ -49,7 +49,7 @@ def test_prune_channels_writes_a_smaller_model_sidecar_and_plan(tiny, tmp_path):
     out = tmp_path / "small.onnx"
     result = run("prune-channels", model, "--ratio", 0.5, "--score", "two_axis", "--data", data,
                  "--eval-data", data, "-o", out, "--plan-out", tmp_path / "plan.json",
-                 "--out", tmp_path / "rep", "--format", "json")
+                 "--out", tmp_path / "rep", "--format", "json", "--latency-budget", 0.5)
     assert result.exit_code == 0, result.output
     small = onnx.load(out)
     onnx.checker.check_model(small, full_check=True)
@@ -61,6 +61,8 @@ def test_prune_channels_writes_a_smaller_model_sidecar_and_plan(tiny, tmp_path):
     side = json.loads((tmp_path / "small.onnx.json").read_text())
     assert 0 < side["flops_ratio"] < 1 and 0 < side["params_ratio"] < 1
     assert set(side["latency_ms"]["emitted"]) == {"1", "32"}
+    assert side["latency_ms"]["budget_s"] == 0.5 and side["latency_ms"]["threads"] == 1
+    assert all(5 <= n <= 21 for n in side["latency_ms"]["rounds_run"].values())
     assert side["accuracy"]["source"]["accuracy"] is not None
     assert side["plan"]["score"] == "two_axis" and side["emitted"]["file_bytes"] > 0
     plan = json.loads((tmp_path / "plan.json").read_text())

@@ -183,10 +183,46 @@ def test_compare_latency_interleaves_and_reports_the_spread():
     x = corpus.random_feeds(model, batch=4)
     out = compare_latency(model, optimize_for_inference(model)[0], {1: {"x": x["x"][:1]},
                                                                    4: x}, rounds=3, threads=1)
-    assert set(out) == {"source", "emitted", "speedup", "speedup_iqr", "rounds", "threads"}
-    assert out["rounds"] == 3 and out["threads"] == 1
+    assert set(out) == {"source", "emitted", "speedup", "speedup_iqr", "rounds", "rounds_run",
+                        "budget_s", "threads"}
+    assert out["rounds"] == 3 and out["threads"] == 1 and out["rounds_run"] == {"1": 3, "4": 3}
     for b in ("1", "4"):
         assert out["source"][b] > 0 and out["emitted"][b] > 0
         assert out["speedup"][b] == pytest.approx(out["source"][b] / out["emitted"][b])
         lo, hi = out["speedup_iqr"][b]
         assert 0 < lo <= hi
+
+
+def test_latency_rounds_fit_the_budget_between_the_floor_and_the_cap():
+    from onnxdiag.runtime.latency import MIN_ROUNDS, planned_rounds
+
+    assert MIN_ROUNDS == 5
+    # budget // round, clamped to [5, rounds]; no budget: every round asked for
+    assert [planned_rounds(r, 21, 10.0) for r in (0.1, 0.5, 0.6, 2.0, 3.0, 60.0)] == \
+        [21, 20, 16, 5, 5, 5]
+    assert planned_rounds(3.0, 21, None) == 21 and planned_rounds(0.0, 21, 10.0) == 21
+    assert planned_rounds(9.0, 3, 1.0) == 3  # fewer rounds asked for than the floor
+
+
+@pytest.mark.parametrize("budget, expected", [(0.0, 5), (None, 8)])
+def test_compare_latency_runs_the_planned_rounds_only(budget, expected, monkeypatch):
+    """Every session runs two warm-ups and then exactly the planned rounds per batch size:
+    a zero budget the floor of 5, no budget every round asked for."""
+    from onnxdiag.runtime import runner as runner_module
+    from onnxdiag.runtime.latency import compare_latency
+
+    calls = []
+    real = runner_module.OrtRunner.run
+
+    def counted(self, feeds, *args, **kwargs):
+        calls.append(id(self))
+        return real(self, feeds, *args, **kwargs)
+
+    monkeypatch.setattr(runner_module.OrtRunner, "run", counted)
+    model = corpus.conv_bn_chain()
+    x = corpus.random_feeds(model, batch=2)
+    out = compare_latency(model, model, {1: {"x": x["x"][:1]}, 2: x}, rounds=8,
+                          budget_s=budget)
+    assert out["rounds_run"] == {"1": expected, "2": expected} and out["budget_s"] == budget
+    per_session = {k: calls.count(k) for k in set(calls)}
+    assert sorted(per_session.values()) == [2 * (2 + expected)] * 2

@@ -178,6 +178,41 @@ def test_prune_emits_a_checked_reloadable_model_with_sidecar(files, tmp_path):
     assert "agreement with the dense model" in res.text
 
 
+def test_prune_comparison_on_calibration_data_is_that_of_the_two_files(files, tmp_path):
+    """Without evaluation data the comparison is read off the logits the pruner has at hand
+    (the dense model's, and the pruned model's of the agreement): it equals a plain ONNX
+    Runtime run of the source and of the emitted file over every calibration image, and
+    compare_models streaming the same images batch by batch."""
+    from onnxdiag.data.source import open_data
+    from onnxdiag.evaluate import compare_logits, compare_models, make_head_runner
+    from onnxdiag.model.io import get_input_specs
+
+    out = tmp_path / "p.onnx"
+    side = prune_report_sparse(str(files["res"]), output=out, data=str(files["calib"]),
+                               options=PruneOptions(sparsity=0.8, allocation="uniform"),
+                               **QUIET).report["prune"]
+    cmp_ = side["comparison"]
+    ua, ub = _logits(load_model(files["res"]), files["calib"]), _logits(onnx.load(out),
+                                                                       files["calib"])
+    assert cmp_["data"] == "calibration" and cmp_["n_samples"] == len(ua)
+    assert cmp_["max_abs_logit_diff"] == pytest.approx(np.abs(ua - ub).max(), abs=1e-6)
+    assert cmp_["max_abs_logit_diff"] > 0.01  # 80 % pruned: the logits did move
+    assert cmp_["top1_agreement"] == pytest.approx(np.mean(ua.argmax(1) == ub.argmax(1)))
+    assert cmp_["top1_agreement"] == side["agreement"]["top1_agreement"]
+    # the streaming comparison over batches of 5 gives the same record as the whole arrays
+    source = load_model(files["res"])
+    head = analyze_structure(source).head
+    x = np.load(files["calib"])["x"]
+    batches = open_data({"x": x}, get_input_specs(source), batch_size=5)
+    streamed = compare_models(make_head_runner(source, head),
+                              make_head_runner(onnx.load(out), head), batches, head,
+                              max_batches=len(x))
+    whole = compare_logits(ua, ub)
+    assert streamed["n_samples"] == whole["n_samples"] == len(x)
+    for key in ("max_abs_logit_diff", "max_rel_logit_diff", "top1_agreement"):
+        assert streamed[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-6), key
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_sparsity_zero_with_any_repair_emits_the_dense_outputs(files, tmp_path, method):
     out = tmp_path / f"{method}.onnx"
@@ -418,7 +453,13 @@ def test_prune_report_and_sidecar_share_the_vocabulary(files, tmp_path):
     assert side["comparison"]["data"] == "evaluation" and side["comparison"]["n_samples"] == 40
     assert side["checks"]["full_checker"] == "passed"
     assert side["checks"]["max_abs_output_diff"] == 0.0
-    assert set(side["latency_ms"]) == {"source", "emitted", "speedup", "providers"}
+    lat = side["latency_ms"]  # source and emitted interleaved, rounds within the budget
+    assert set(lat) == {"source", "emitted", "speedup", "speedup_iqr", "rounds", "rounds_run",
+                        "budget_s", "threads", "providers"}
+    assert lat["budget_s"] == 10.0 and lat["rounds"] == 21 and lat["threads"] is None
+    assert set(lat["rounds_run"]) == {"1", "32"} and all(5 <= n <= 21 for n in
+                                                         lat["rounds_run"].values())
+    assert "interleaved rounds)" in res.text.split("CPU latency ms:")[1].splitlines()[0]
     assert side["accuracy"]["before_recovery"] is None
     assert report["metadata"]["data"].keys() == {"calibration", "evaluation"}
     assert report["metadata"]["parameters"]["pruner"]["rr_positions"] == 16

@@ -111,6 +111,22 @@ def head_options(f):
     ])
 
 
+#: runtime.latency's LATENCY_BUDGET_S and MIN_ROUNDS, copied (a test keeps them equal):
+#: this module imports no numpy.
+LATENCY_BUDGET_S = 10.0
+MIN_ROUNDS = 5
+
+
+def latency_option(f):
+    """--latency-budget of the verbs that time the emitted model against the source."""
+    return click.option(
+        "--latency-budget", "latency_budget", type=click.FloatRange(min=0),
+        default=LATENCY_BUDGET_S, show_default=True, metavar="SECONDS",
+        help=f"Seconds of timed CPU latency rounds per batch size (source and emitted "
+             f"interleaved, at least {MIN_ROUNDS} and at most 21 rounds; the report says "
+             f"how many ran).")(f)
+
+
 def output_options(f):
     """--out, --overwrite, --format."""
     return stack_options(f, [

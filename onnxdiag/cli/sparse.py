@@ -13,6 +13,7 @@ from .options import (
     data_options,
     emit_result,
     head_options,
+    latency_option,
     output_options,
     runtime_options,
     sampling_options,
@@ -159,6 +160,7 @@ def rr(model, **kwargs):
                    "reconstruction ls / ls+bn (§E1).")
 @click.option("--sparse-initializers", is_flag=True,
               help="Store pruned weights as sparse_initializer where that is smaller.")
+@latency_option
 @data_options(required=True)
 @data_options("eval-")
 @sampling_options

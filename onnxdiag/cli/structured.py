@@ -15,6 +15,7 @@ from .options import (
     data_options,
     emit_result,
     head_options,
+    latency_option,
     output_options,
     runtime_options,
     sampling_options,
@@ -148,6 +149,7 @@ def _records(kw: dict):
                    "Reshape/Transpose/identity nodes in the emitted model (outputs change by "
                    "float rounding only, checked); --no-fold-bn emits the pruned graph as it "
                    "is, BatchNormalization kept.")
+@latency_option
 @data_roles()
 @sampling_options
 @runtime_options()

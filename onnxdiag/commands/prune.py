@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ..errors import OnnxDiagError
 from ..report import SCHEMA_VERSION, render_table, rows_to_csv
+from ..runtime.latency import LATENCY_BUDGET_S, check_latency_budget
 from .base import CommandResult, HeadChoice, ReportTarget, Runtime, finish, render_header
 from .pruning import (
     LATENCY_NOTE,
@@ -31,7 +32,9 @@ class PruneOptions:
     model (required; 0 is a reported no-op). ``allocation``: how S is spread over the
     layers (docs/METHODS.md §C3); ``repair``: the label-free repair (§C1).
     ``sparse_initializers``: store pruned weights as ``sparse_initializer`` when smaller.
-    ``seed``: the RR position draw. ``pruner``: the options shared with rr and sweep.
+    ``seed``: the RR position draw. ``latency_budget``: seconds of timed latency rounds
+    per batch size (:func:`~onnxdiag.runtime.latency.compare_latency`). ``pruner``: the
+    options shared with rr and sweep.
     """
 
     sparsity: float | None = None
@@ -39,6 +42,7 @@ class PruneOptions:
     repair: str = "cr+bn"
     sparse_initializers: bool = False
     seed: int = 0
+    latency_budget: float = LATENCY_BUDGET_S
     pruner: PrunerOptions = PrunerOptions()
 
     def check(self) -> None:
@@ -56,6 +60,7 @@ class PruneOptions:
             raise OnnxDiagError(f"Unknown repair {self.repair!r}; choose from "
                                 f"{', '.join(METHODS)}.")
         exact_fraction(self.sparsity)
+        check_latency_budget(self.latency_budget)
         self.pruner.check()
 
 
@@ -151,7 +156,7 @@ def _emit(inputs: Inputs, pruned, pruner, alloc, record, *, budget, output, opti
     sidecar = {
         "tool": "onnxdiag prune", "tool_version": __version__,
         "source": _model_facts(inputs.model, inputs.structure, inputs.path),
-        **_measure(inputs, pruned, final, pruner),
+        **_measure(inputs, pruned, final, pruner, options.latency_budget),
         "sparsity_target": budget.target, "n_weights": budget.n_model,
         "n_pruned": alloc.n_pruned, "sparsity_achieved": alloc.n_pruned / budget.n_model,
         "no_op": reason, "budget": budget.to_dict(), "layer_sparsity": dict(alloc.sparsity),
@@ -160,34 +165,46 @@ def _emit(inputs: Inputs, pruned, pruner, alloc, record, *, budget, output, opti
         "storage": storage, "notes": notes}
     sidecar["emitted"] = _model_facts(pruned, inputs.structure)
     info = emit_model(final, output, source_path=inputs.path, sidecar=sidecar,
-                      protect=protect, verify_feeds=inputs.feeds[0])
+                      protect=protect, verify_feeds=_first(inputs.feeds[0], VERIFY_SAMPLES))
     return info
 
 
-def _measure(inputs: Inputs, pruned, final, pruner) -> dict:
+#: Calibration samples the emitted file's reload check runs (its outputs against the
+#: in-memory model's): 8, as prune-channels.
+VERIFY_SAMPLES = 8
+
+
+def _first(feeds: dict, n: int) -> dict:
+    """The first ``n`` samples of a feed dict."""
+    return {k: v[:n] for k, v in feeds.items()}
+
+
+def _measure(inputs: Inputs, pruned, final, pruner, latency_budget) -> dict:
     """``agreement`` (all calibration images, docs/METHODS.md §C4), ``comparison`` (on the
-    evaluation data, else the calibration data), ``accuracy`` and ``latency_ms``."""
-    from ..evaluate import compare_models, evaluate, make_head_runner
-    from ..runtime.latency import measure_latency
-    from .base import example_input, safe_ratio
+    evaluation data, else the calibration data), ``accuracy`` and ``latency_ms`` (source
+    and emitted interleaved, ``latency_budget`` seconds per batch size)."""
+    from ..evaluate import compare_logits, compare_models, evaluate, make_head_runner
+    from ..runtime.latency import compare_latency
+    from .base import example_input
 
     head, m = pruner.head, inputs.model
-    verify = inputs.evaluation or inputs.calib
-    comparison = compare_models(make_head_runner(m, head), make_head_runner(pruned, head),
-                                verify, head)
+    logits = pruner.logits(pruned)  # the pruned model's, on every calibration image
+    if inputs.evaluation is None and head.features_reduce != "positions":
+        # on the calibration data: the logits both models have had computed already
+        comparison = compare_logits(pruner.dense_logits, logits)
+    else:
+        comparison = compare_models(make_head_runner(m, head), make_head_runner(pruned, head),
+                                    inputs.evaluation or inputs.calib, head)
     comparison["data"] = "evaluation" if inputs.evaluation is not None else "calibration"
     accuracy = {role: None if ev is None else ev.to_dict() for role, ev in (
         ("source", evaluate(m, head, inputs.evaluation, providers=pruner.providers)),
         ("emitted", evaluate(pruned, head, inputs.evaluation, providers=pruner.providers)))}
     x = example_input(inputs.specs, inputs.calib)
-    source_ms = measure_latency(m, {1: x[:1], 32: x})
-    emitted_ms = measure_latency(final, {1: x[:1], 32: x})
-    return {"agreement": {"top1_agreement": pruner.agreement(pruned),
+    latency = compare_latency(m, final, {1: x[:1], 32: x}, budget_s=latency_budget)
+    return {"agreement": {"top1_agreement": pruner.agreement(pruned, logits=logits),
                           "n_images": pruner.n_images, "data": "calibration"},
             "comparison": comparison, "accuracy": {**accuracy, "before_recovery": None},
-            "latency_ms": {"source": source_ms, "emitted": emitted_ms,
-                           "speedup": {b: safe_ratio(source_ms[b], emitted_ms[b])
-                                       for b in source_ms}, "providers": "cpu"}}
+            "latency_ms": {**latency, "providers": "cpu"}}
 
 
 def _model_facts(model, structure, path=None) -> dict:
@@ -272,6 +289,8 @@ def _budget_lines(info: dict) -> list[str]:
 
 
 def _measure_lines(info: dict) -> list[str]:
+    from .prune_channels_text import latency_setting
+
     agr, cmp_, acc = info["agreement"], info["comparison"], info["accuracy"]
     lat, st, src, em = info["latency_ms"], info["storage"], info["source"], info["emitted"]
     lines = [f"top-1 agreement with the dense model: {100 * agr['top1_agreement']:.2f} % on "
@@ -292,5 +311,5 @@ def _measure_lines(info: dict) -> list[str]:
               f"{em['nonzero_params']:,}",
               f"CPU latency ms: source b=1 {lat['source']['1']:.3f}, b=32 "
               f"{lat['source']['32']:.3f}; pruned b=1 {lat['emitted']['1']:.3f}, b=32 "
-              f"{lat['emitted']['32']:.3f}"]
+              f"{lat['emitted']['32']:.3f}{latency_setting(lat)}"]
     return lines

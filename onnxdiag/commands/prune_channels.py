@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..errors import OnnxDiagError
 from ..report import SCHEMA_VERSION, build_metadata, rows_to_csv
+from ..runtime.latency import LATENCY_BUDGET_S, check_latency_budget
 from ..structured.choice import DEFAULT_ALPHA, DEFAULT_BETA, STAT_SCORES, layer_scores, stat_scores
 from .base import (
     CommandResult,
@@ -57,6 +58,8 @@ class ChannelPruneOptions:
     ``seed``: ties, the random score and the statistics' spatial samples. ``fold_bn``:
     the emitted model has every Conv+BatchNormalization pair folded and redundant
     Reshape/Transpose/identity nodes removed (False: emitted as pruned).
+    ``latency_budget``: seconds of timed latency rounds per batch size
+    (:func:`~onnxdiag.runtime.latency.compare_latency`).
     """
 
     ratio: float = 0.5
@@ -71,6 +74,7 @@ class ChannelPruneOptions:
     targets: str = "auto"
     seed: int = 0
     fold_bn: bool = True
+    latency_budget: float = LATENCY_BUDGET_S
 
 
 def prune_channels_report(model, *, output, data=None, eval_data=None, train_data=None,
@@ -117,7 +121,7 @@ def prune_channels_report(model, *, output, data=None, eval_data=None, train_dat
     emitted, e_struct, optimization = _optimize(pruned, (structure, p_struct), head,
                                                 options.fold_bn, _check_feeds(specs, feeds))
     section = _measure(model, (m, structure), (emitted, e_struct), record, the_plan,
-                       (calib, evaluation), runtime)
+                       (calib, evaluation), runtime, options.latency_budget)
     section["accuracy"]["before_recovery"] = steps.pop("before_recovery")
     section.update(steps, optimization=optimization, notes=notes + section["notes"]
                    + width_notes(record, p_struct, the_plan.settings.get("round_to")))
@@ -177,6 +181,7 @@ def _check_before_work(output, data, train_data, options, recovery, report, prot
         raise OnnxDiagError("--round-to shapes a new plan; a replayed --plan keeps its "
                             "channels: drop --round-to, or make the plan again with it.")
     resolve_round_to(options.round_to)  # a bad value refused here, before any work
+    check_latency_budget(options.latency_budget)
     ratio_used = options.plan is None and not (options.budget == "reference"
                                                and options.reference is not None)
     if ratio_used and not 0 < options.ratio < 1:
@@ -326,9 +331,10 @@ def _check_feeds(specs, feeds: dict) -> dict:
             for s in specs}
 
 
-def _measure(path, source, emitted, record, plan, sources, runtime) -> dict:
-    """The section's measurements: source, comparison, latency, accuracy, notes;
-    ``source`` / ``emitted``: (model, structure)."""
+def _measure(path, source, emitted, record, plan, sources, runtime, latency_budget) -> dict:
+    """The section's measurements: source, comparison, latency (``latency_budget``
+    seconds per batch size), accuracy, notes; ``source`` / ``emitted``: (model,
+    structure)."""
     from ..evaluate import compare_models, evaluate, make_head_runner
     from ..model.io import get_input_specs, model_hash
     from ..runtime.latency import compare_latency
@@ -343,7 +349,8 @@ def _measure(path, source, emitted, record, plan, sources, runtime) -> dict:
     x = example_input(get_input_specs(m), verify)
     # one intra-op thread: two sessions' spinning thread pools interleaved on a shared
     # machine measure each other (benchmarks/bench_prune.py)
-    latency = compare_latency(m, pruned, {1: x[:1], 32: x}, threads=1)
+    latency = compare_latency(m, pruned, {1: x[:1], 32: x}, threads=1,
+                              budget_s=latency_budget)
     is_file = isinstance(path, (str, os.PathLike)) and Path(path).is_file()
     reason = removal_reason(structure, budget=plan.budget, ratio=plan.ratio, plan=plan)
     return {

@@ -64,10 +64,19 @@ def _speedups(lat: dict) -> str:
         iqr = (lat.get("speedup_iqr") or {}).get(b)
         spread = f" (IQR {iqr[0]:.2f}-{iqr[1]:.2f})" if iqr else ""
         parts.append(f"b={b} {fmt3(lat['speedup'][b])}x{spread}")
+    return ", ".join(parts) + latency_setting(lat)
+
+
+def latency_setting(lat: dict) -> str:
+    """" (1 thread, 21 / 5 interleaved rounds)": the threads and the rounds timed at
+    batch 1 / 32 (or the most asked for, in a report written before rounds_run)."""
+    if not lat.get("rounds"):
+        return ""
     threads = lat.get("threads")
-    rounds = (f" ({threads or 'default'} thread{'s' if threads != 1 else ''}, "
-              f"{lat['rounds']} interleaved rounds)") if lat.get("rounds") else ""
-    return ", ".join(parts) + rounds
+    run = lat.get("rounds_run") or {}
+    rounds = " / ".join(str(run[b]) for b in ("1", "32") if b in run) or lat["rounds"]
+    return (f" ({threads or 'default'} thread{'s' if threads != 1 else ''}, {rounds} "
+            "interleaved rounds)")
 
 
 def _optimization_lines(opt: dict | None) -> list[str]:

@@ -103,8 +103,8 @@ class Pruner:
         self.infos = describe_layers(self.model, self.layers)
         self.weights = read_weights(self.model, self.layers)
         self.head = self.structure.head
-        dense = self.logits(self.model)
-        self.dense_pred = dense.argmax(axis=1)
+        self.dense_logits = self.logits(self.model)  # (n_images, n_classes) float64
+        self.dense_pred = self.dense_logits.argmax(axis=1)
         self.dense_moments = {}  # the repairs' dense layer-output moments, shared by cells
         self.orders = {}  # the layers' magnitude orders (masks.make_masks), shared by cells
 
