@@ -64,6 +64,8 @@ def compare_latency(source, emitted, feeds_by_batch: dict[int, dict], *, rounds:
     Each round runs each model once, in alternating order, after two warm-up runs: single
     runs are shorter than a scheduler time slice, so on a loaded machine most of them run
     unpreempted and the median is the model's own time, and load hits both models alike.
+    The sessions' threads do not spin-wait between runs (a spinning pool of one model
+    would slow the other's runs).
     The second warm-up runs are timed: they give a round's cost, and so the number of
     rounds (:func:`planned_rounds`: what ``budget_s`` seconds hold, between ``min_rounds``
     and ``rounds``; ``budget_s=None``: always ``rounds``).
@@ -73,7 +75,11 @@ def compare_latency(source, emitted, feeds_by_batch: dict[int, dict], *, rounds:
     (None: ONNX Runtime's default)}; batches as strings."""
     from .runner import OrtRunner
 
-    runners = [OrtRunner(m, providers="cpu", threads=threads) for m in (source, emitted)]
+    # threads that sleep after a run: one session's spinning pool would take the cores from
+    # the other's next run (ResNet-50 at batch 1 on 2 cores: 41 ms interleaved vs 21 ms
+    # alone; 22 ms either way without spinning, benchmarks/RESULTS.md)
+    runners = [OrtRunner(m, providers="cpu", threads=threads, spinning=False)
+               for m in (source, emitted)]
     out = {"source": {}, "emitted": {}, "speedup": {}, "speedup_iqr": {}, "rounds": rounds,
            "rounds_run": {}, "budget_s": budget_s, "threads": threads}
     for batch, feeds in feeds_by_batch.items():
