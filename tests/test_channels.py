@@ -56,6 +56,37 @@ def brute_ranking(sigma, i):
     return sorted(others, key=lambda j: (-abs(rho[i, j]), j))
 
 
+@pytest.mark.parametrize("ties", ["none", "rounded", "dead", "halves"])
+def test_rank_peers_is_the_stable_order_of_every_row(ties):
+    """The selection route (n peers picked, then sorted) gives each row's j != i by |rho|
+    descending, ties by the lower index, as sorting every row: on random correlations and
+    on tie-heavy ones (rounded values, dead channels uncorrelated with all, values in
+    {0, ±0.5, ±1}), for every n including 0 and more than C − 1."""
+    from onnxdiag.channels.scores import rank_peers
+
+    rng = np.random.default_rng(["none", "rounded", "dead", "halves"].index(ties))
+    for _ in range(40):
+        c = int(rng.integers(2, 60))
+        a = rng.standard_normal((c, c))
+        corr = (a + a.T) / 4
+        if ties == "rounded":
+            corr = np.round(corr, 1)
+        elif ties == "dead":
+            dead = rng.random(c) < 0.3
+            corr[dead], corr[:, dead] = 0.0, 0.0
+        elif ties == "halves":
+            h = rng.integers(-2, 3, (c, c)) / 2.0
+            corr = np.triu(h) + np.triu(h, 1).T
+        np.fill_diagonal(corr, 1.0)
+        for n in {0, 1, 2, 3, c // 5, c // 4, c - 1, c + 1}:
+            got = rank_peers(corr, n)
+            oracle = [[j for j in sorted((j for j in range(c) if j != i),
+                                         key=lambda j: (-abs(corr[i, j]), j))][:n]
+                      for i in range(c)]
+            assert got.dtype == np.int64 or got.dtype == np.intp
+            assert got.shape == (c, min(n, c - 1)) and got.tolist() == oracle, (c, n)
+
+
 def mi_single(sigma, cov_yt, var_t, i):
     """Gaussian I(T;Y_i) = 1/2 ln(Var T / Var(T | Y_i))."""
     return 0.5 * math.log(var_t / (var_t - cov_yt[i] ** 2 / sigma[i, i]))

@@ -138,10 +138,25 @@ def rank_peers(corr: np.ndarray, n_peers: int) -> np.ndarray:
 
     Ties go to the lower index (stable sort), so the ranking is deterministic.
     """
-    strength = np.abs(np.asarray(corr, dtype=np.float64))
-    np.fill_diagonal(strength, -np.inf)
-    n = min(int(n_peers), corr.shape[0] - 1)
-    return np.argsort(-strength, axis=1, kind="stable")[:, :n]
+    key = -np.abs(np.asarray(corr, dtype=np.float64))  # ascending key = descending |rho|
+    np.fill_diagonal(key, np.inf)
+    c = key.shape[0]
+    n = max(min(int(n_peers), c - 1), 0)
+    if n == 0 or 4 * n >= c:
+        return np.argsort(key, axis=1, kind="stable")[:, :n]
+    # a selection, then a sort of the n selected: the n-th smallest key t of each row; the
+    # keys below t and the lowest-indexed ones equal to t are its n peers. A row with more
+    # keys equal to t than the selection kept (ties across the cut) is sorted whole.
+    part = np.argpartition(key, n - 1, axis=1)[:, :n]
+    picked = np.take_along_axis(key, part, axis=1)
+    t = picked.max(axis=1, keepdims=True)
+    ties = np.count_nonzero(key == t, axis=1) != np.count_nonzero(picked == t, axis=1)
+    part.sort(axis=1)  # index order, so the stable sort below breaks ties by index
+    order = np.argsort(np.take_along_axis(key, part, axis=1), axis=1, kind="stable")
+    out = np.take_along_axis(part, order, axis=1)
+    if ties.any():
+        out[ties] = np.argsort(key[ties], axis=1, kind="stable")[:, :n]
+    return out
 
 
 def ridge_gamma(corr: np.ndarray, peers: np.ndarray, ridge: float,
