@@ -389,6 +389,32 @@ def test_split_batches_cuts_runs_by_input_values_and_the_repair_ignores_the_spli
         assert np.abs(x.astype(np.float64) - y).max() <= 1e-6 * max(np.abs(y).max(), 1e-3)
 
 
+@pytest.mark.parametrize("method", ["cr+bn", "cr", "layer-cr+bn"])
+def test_pruned_moments_folded_during_the_pass_equal_those_folded_after(method, monkeypatch):
+    """The sequential pass folds each measured layer's batches into its pruned moments on
+    worker threads as the segment runs on; the repair then never folds them itself, and
+    the repaired model is bit for bit the one whose moments are folded after each segment
+    (the early fold turned off)."""
+    from onnxdiag.sparsity import fold, sequential
+
+    model, structure, masks, calib = _setup(residual_block)
+    late_calls = []
+    real = fold.batch_moments
+    monkeypatch.setattr(fold, "batch_moments",
+                        lambda layer, arrays: late_calls.append(layer) or real(layer, arrays))
+    early, record = repair_model(model, structure, masks, calib, method=method)
+    assert record.layers and late_calls == []  # every layer: its moments came from the pass
+    monkeypatch.setattr(sequential, "_fold_early", lambda pool, layer, folds: None)
+    late, record_late = repair_model(model, structure, masks, calib, method=method)
+    assert len(late_calls) == len(record_late.layers)  # each folded after its segment
+    for t, u in zip(early.graph.initializer, late.graph.initializer):
+        assert t.name == u.name
+        np.testing.assert_array_equal(onnx.numpy_helper.to_array(t),
+                                      onnx.numpy_helper.to_array(u))
+    for name, rep in record.layers.items():
+        np.testing.assert_array_equal(rep.alpha, record_late.layers[name].alpha)
+
+
 def test_pass_logits_equal_a_fresh_run_of_the_repaired_model():
     """A sweep cell's agreement comes from the repair pass's logits: they equal a fresh
     ONNX Runtime run of the repaired model to float32 rounding, with the same top-1."""

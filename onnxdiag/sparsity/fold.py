@@ -107,6 +107,12 @@ def batch_moments(layer, arrays) -> Moments:
         return output_moments(layer, arrays)
     with thread_map(len(arrays)) as pool:
         parts = pool(lambda a: output_moments(layer, [a]), arrays)
+    return merged(parts)
+
+
+def merged(parts: list[Moments]) -> Moments:
+    """Per-batch moments merged in order into the first (:func:`batch_moments`' merge:
+    the same result whoever folded the batches, and when)."""
     acc = parts[0]
     for part in parts[1:]:
         acc.merge(part)
@@ -212,10 +218,13 @@ def cr_alpha(kind: str, var_dense: np.ndarray, var_pruned: np.ndarray,
 
 
 def fold_repair(frontier: dict, editor: ModelEditor, layer, dense: Moments, cr_kind,
-                affine: bool, cap: float, patch: bool = True) -> LayerRepair:
+                affine: bool, cap: float, patch: bool = True,
+                pruned: Moments | None = None) -> LayerRepair:
     """Measure ``layer``'s pruned output in ``frontier`` (its cached batches), fold
     y' = α·y + shift into the layer in ``editor`` and patch the cached output to match
     (``patch`` False: left as measured, for a caller whose next reader stands in for it).
+    ``pruned``: those batches' moments when already folded (:func:`batch_moments`'
+    result, e.g. folded while the pass ran on); None: folded here.
 
     α: the CR variant ``cr_kind`` (None: channel-wise, for a pure ``bn`` affine) capped at
     ``cap``; ``affine``: also re-standardise, shift = μ^d − α·μ^p of the output after its
@@ -223,7 +232,8 @@ def fold_repair(frontier: dict, editor: ModelEditor, layer, dense: Moments, cr_k
     """
     index = editor.index
     node = index.get_node(layer.node_name)
-    pruned = batch_moments(layer, frontier[layer.output])
+    if pruned is None:
+        pruned = batch_moments(layer, frontier[layer.output])
     vd, vp = dense.var(), pruned.var()
     alpha = cr_alpha(cr_kind or "channel", vd, vp, cap)
     w = _value(editor, node.input[1])

@@ -109,8 +109,10 @@ class SegmentedPass:
         node = self.index.producer.get(tensor)
         return -1 if node is None else self.index.position[id(node)]
 
-    def run_to(self, position: int, keep: Iterable[str] = ()) -> None:
-        """Execute the nodes after ``done`` up to ``position``; ``keep`` stays in the frontier."""
+    def run_to(self, position: int, keep: Iterable[str] = (), on_output=None) -> None:
+        """Execute the nodes after ``done`` up to ``position``; ``keep`` stays in the frontier.
+        ``on_output(tensor, i, array)``: called for every tensor of ``keep`` this segment
+        produces, right after its run on batch i (e.g. to fold it while the next runs)."""
         keep = set(keep)
         start = self.done + 1
         if position >= start:
@@ -118,13 +120,14 @@ class SegmentedPass:
             produced = {t for n in nodes for t in n.output if t}
             wanted = sorted(t for t in produced if self.last_use.get(t, -1) > position or t in keep)
             if wanted:
-                self._run_segment(nodes, start, position, produced, wanted)
+                self._run_segment(nodes, start, position, produced, wanted,
+                                  (keep, on_output) if on_output else None)
             self.done = position
         for name in list(self.frontier):
             if self.last_use.get(name, -1) <= self.done and name not in keep:
                 del self.frontier[name]
 
-    def _run_segment(self, nodes, start, end, produced, wanted) -> None:
+    def _run_segment(self, nodes, start, end, produced, wanted, watch=None) -> None:
         inits = {t.name: t for t in self.model.graph.initializer}
         nodes = [self.stand_ins.get(n.name, (n,))[0] for n in nodes]
         inits.update((t.name, t) for n in nodes if n.name in self.stand_ins
@@ -153,10 +156,13 @@ class SegmentedPass:
         sub.functions.extend(self.model.functions)
         runner = OrtRunner(sub, **self.options)
         results = {t: [] for t in wanted}
+        watched = [t for t in wanted if t in watch[0]] if watch else []
         for i in range(len(self.batches)):
             out = runner.run({t: self.frontier[t][i] for t in feeds}, wanted)
             for t in wanted:
                 results[t].append(out[t])
+            for t in watched:
+                watch[1](t, i, out[t])
         self.frontier.update(results)
         self.n_segments += 1
 

@@ -10,8 +10,10 @@ as measured and the BN's segment runs :func:`~onnxdiag.sparsity.recal.bn_stand_i
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 from ..runtime.progress import progress
-from .fold import fold_repair
+from .fold import fold_repair, merged, output_moments
 from .recal import bn_stand_in, deferred_bn, recalibrate_bn, scaled_moments
 from .segments import SegmentedPass
 
@@ -33,32 +35,52 @@ def sequential_repair(editor, batches, layers, dense, bns, cr_kind, affine, alph
     # segment runs a stand-in with α folded in, once the BN's own statistics are final
     # (taken from the conv's scaled moments, never from the unpatched cache)
     deferred: list = []
+    # a measured layer's batches are folded into its pruned moments on one thread while
+    # the segment runs on to the next batch (fold_repair then merges them in order)
+    early = ThreadPoolExecutor(max_workers=2)
 
-    def run_to(pos, keep):
+    def run_to(pos, keep, watch=None):
         if pos > seg.done:
             seg.stand_ins.update((bn.name, bn_stand_in(editor, bn, a))
                                  for bn, a in deferred)
             deferred.clear()
-        seg.run_to(pos, keep=keep)
+        folds: list = []
+        seg.run_to(pos, keep=keep,
+                   on_output=None if watch is None else _fold_early(early, watch, folds))
+        return folds
 
-    for pos, kind, i in progress(items, len(items), label) if label else items:
-        tensor = layers[i].output if kind == 0 else bns[i].input[0]
-        run_to(pos, [tensor, *outputs])
-        if kind == 0:
-            la = layers[i]
-            bn = (None if affine[la.node_name] or la.op_type != "Conv"
-                  else deferred_bn(editor, la.output, outputs))
-            rep = done_layers[la.node_name] = fold_repair(
-                seg.frontier, editor, la, dense[la.node_name], cr_kind, affine[la.node_name],
-                alpha_cap, patch=bn is None)
-            if rep.kind == "scale" and la.op_type == "Conv":  # its BN's input moments
-                scaled[la.output] = scaled_moments(rep)
-            if bn is not None:
-                deferred.append((bn, rep.alpha))
-        else:
-            done_bns[bns[i].name] = recalibrate_bn(seg.frontier, editor, bns[i],
-                                                   scaled.get(tensor))
-    if outputs:  # every repair is in place: the rest of the graph sees them all
-        run_to(max(seg.position(t) for t in outputs), outputs)
+    with early:
+        for pos, kind, i in progress(items, len(items), label) if label else items:
+            tensor = layers[i].output if kind == 0 else bns[i].input[0]
+            folds = run_to(pos, [tensor, *outputs], layers[i] if kind == 0 else None)
+            if kind == 0:
+                la = layers[i]
+                bn = (None if affine[la.node_name] or la.op_type != "Conv"
+                      else deferred_bn(editor, la.output, outputs))
+                # folded during the run when this segment measured every batch of it
+                pruned = (merged([f.result() for f in folds])
+                          if folds and len(folds) == len(seg.frontier[la.output]) else None)
+                rep = done_layers[la.node_name] = fold_repair(
+                    seg.frontier, editor, la, dense[la.node_name], cr_kind,
+                    affine[la.node_name], alpha_cap, patch=bn is None, pruned=pruned)
+                if rep.kind == "scale" and la.op_type == "Conv":  # its BN's input moments
+                    scaled[la.output] = scaled_moments(rep)
+                if bn is not None:
+                    deferred.append((bn, rep.alpha))
+            else:
+                done_bns[bns[i].name] = recalibrate_bn(seg.frontier, editor, bns[i],
+                                                       scaled.get(tensor))
+        if outputs:  # every repair is in place: the rest of the graph sees them all
+            run_to(max(seg.position(t) for t in outputs), outputs)
     values = {t: seg.frontier[t] for t in outputs if t in seg.frontier}
     return done_layers, done_bns, seg.n_segments, values
+
+
+def _fold_early(pool, layer, folds: list):
+    """An ``on_output`` of :meth:`SegmentedPass.run_to`: each batch of ``layer``'s output,
+    as the segment produces it, folded into its own moments on ``pool`` (futures appended
+    to ``folds`` in batch order)."""
+    def on_output(tensor, i, y):
+        if tensor == layer.output:
+            folds.append(pool.submit(output_moments, layer, [y]))
+    return on_output
