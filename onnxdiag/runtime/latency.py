@@ -76,8 +76,8 @@ def compare_latency(source, emitted, feeds_by_batch: dict[int, dict], *, rounds:
     from .runner import OrtRunner
 
     # threads that sleep after a run: one session's spinning pool would take the cores from
-    # the other's next run (ResNet-50 at batch 1 on 2 cores: 41 ms interleaved vs 21 ms
-    # alone; 22 ms either way without spinning, benchmarks/RESULTS.md)
+    # the other's next run (ResNet-50 at batch 1 on 2 cores: 39-44 ms interleaved vs 22-24
+    # ms one after the other; 23-26 ms either way without spinning, benchmarks/RESULTS.md)
     runners = [OrtRunner(m, providers="cpu", threads=threads, spinning=False)
                for m in (source, emitted)]
     out = {"source": {}, "emitted": {}, "speedup": {}, "speedup_iqr": {}, "rounds": rounds,
