@@ -394,7 +394,7 @@ def test_pruned_moments_folded_during_the_pass_equal_those_folded_after(method, 
     """The sequential pass folds each measured layer's batches into its pruned moments on
     worker threads as the segment runs on; the repair then never folds them itself, and
     the repaired model is bit for bit the one whose moments are folded after each segment
-    (the early fold turned off)."""
+    (the early fold turned off). With one batch the fold stays after the segment."""
     from onnxdiag.sparsity import fold, sequential
 
     model, structure, masks, calib = _setup(residual_block)
@@ -404,6 +404,7 @@ def test_pruned_moments_folded_during_the_pass_equal_those_folded_after(method, 
                         lambda layer, arrays: late_calls.append(layer) or real(layer, arrays))
     early, record = repair_model(model, structure, masks, calib, method=method)
     assert record.layers and late_calls == []  # every layer: its moments came from the pass
+    real_early = sequential._fold_early
     monkeypatch.setattr(sequential, "_fold_early", lambda pool, layer, folds: None)
     late, record_late = repair_model(model, structure, masks, calib, method=method)
     assert len(late_calls) == len(record_late.layers)  # each folded after its segment
@@ -413,6 +414,12 @@ def test_pruned_moments_folded_during_the_pass_equal_those_folded_after(method, 
                                       onnx.numpy_helper.to_array(u))
     for name, rep in record.layers.items():
         np.testing.assert_array_equal(rep.alpha, record_late.layers[name].alpha)
+    # one batch: nothing to overlap, so each layer is folded after its segment
+    monkeypatch.setattr(sequential, "_fold_early", real_early)
+    late_calls.clear()
+    whole = [{k: np.concatenate([f[k] for f in calib]) for k in calib[0]}]
+    _, record_one = repair_model(model, structure, masks, whole, method=method)
+    assert len(late_calls) == len(record_one.layers)
 
 
 def test_pass_logits_equal_a_fresh_run_of_the_repaired_model():

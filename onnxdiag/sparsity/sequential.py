@@ -35,7 +35,7 @@ def sequential_repair(editor, batches, layers, dense, bns, cr_kind, affine, alph
     # segment runs a stand-in with α folded in, once the BN's own statistics are final
     # (taken from the conv's scaled moments, never from the unpatched cache)
     deferred: list = []
-    # a measured layer's batches are folded into its pruned moments on one thread while
+    # a measured layer's batches are folded into its pruned moments on two threads while
     # the segment runs on to the next batch (fold_repair then merges them in order)
     early = ThreadPoolExecutor(max_workers=2)
 
@@ -52,7 +52,9 @@ def sequential_repair(editor, batches, layers, dense, bns, cr_kind, affine, alph
     with early:
         for pos, kind, i in progress(items, len(items), label) if label else items:
             tensor = layers[i].output if kind == 0 else bns[i].input[0]
-            folds = run_to(pos, [tensor, *outputs], layers[i] if kind == 0 else None)
+            # one batch: nothing to overlap with, the fold stays on this thread
+            folds = run_to(pos, [tensor, *outputs],
+                           layers[i] if kind == 0 and len(batches) > 1 else None)
             if kind == 0:
                 la = layers[i]
                 bn = (None if affine[la.node_name] or la.op_type != "Conv"
