@@ -7,7 +7,8 @@
   per-pixel cross-entropy, ignore-index pixels left out.
 - :func:`evaluate_model` — the same over a head runner.
 - :func:`compare_models` — max logit difference and top-1 agreement of two models
-  (:func:`compare_logits` from logits already at hand)."""
+  (:func:`compare_logits` from logits already at hand; :func:`evaluate_pair`: both
+  models evaluated and compared in one run of each over the data)."""
 
 from __future__ import annotations
 
@@ -173,20 +174,49 @@ def evaluate_model(runner: OrtRunner, head, source, *, label: str | None = None,
     if not source.has_labels:
         raise DataError("--eval-data has no labels; evaluation needs labelled data (an npz "
                         "with a 'labels' key, --eval-labels FILE, or class sub-folders).")
-    from .data.labels import check_batch_labels, is_label_map, source_name
-
     if head.features_reduce == "positions":
         return _evaluate_dense(runner, head, source, label, ignore_index)
     acc = EvalAccumulator()
     for batch, outputs in runner.stream(source, [head.features, head.logits], label=label):
-        _, U = head_arrays(outputs, head)
-        if is_label_map(batch.labels):
-            raise DataError(f"{source_name(source)} holds label maps {batch.labels.shape[1:]},"
-                            f" but head {head.node_name!r} gives one class per sample; give "
-                            "one label per sample.")
-        check_batch_labels(batch.labels, batch.indices, U.shape[1], source_name(source))
-        acc.update(U, batch.labels)
+        acc.update(_labelled_logits(batch, outputs, head, source), batch.labels)
     return acc.result()
+
+
+def _labelled_logits(batch, outputs, head, source) -> np.ndarray:
+    """A batch's logits U (n, n_classes), its labels checked against them."""
+    from .data.labels import check_batch_labels, is_label_map, source_name
+
+    _, U = head_arrays(outputs, head)
+    if is_label_map(batch.labels):
+        raise DataError(f"{source_name(source)} holds label maps {batch.labels.shape[1:]},"
+                        f" but head {head.node_name!r} gives one class per sample; give "
+                        "one label per sample.")
+    check_batch_labels(batch.labels, batch.indices, U.shape[1], source_name(source))
+    return U
+
+
+def evaluate_pair(source_runner: OrtRunner, emitted_runner: OrtRunner, head, source, *,
+                  max_batches: int = 8, ignore_index: int = IGNORE_INDEX) -> tuple:
+    """(:func:`evaluate_model` of each runner, :func:`compare_models` of the two) on the
+    labelled DataSource ``source``, each model run once over it: the comparison (first
+    ``max_batches`` batches) comes from the logits the evaluations read. A per-position
+    head gets the three calls."""
+    if not source.has_labels or head.features_reduce == "positions":
+        return (evaluate_model(source_runner, head, source, ignore_index=ignore_index),
+                evaluate_model(emitted_runner, head, source, ignore_index=ignore_index),
+                compare_models(source_runner, emitted_runner, source, head,
+                               max_batches=max_batches))
+    names = [head.features, head.logits]
+    accs, stats = (EvalAccumulator(), EvalAccumulator()), (0.0, 0.0, 0, 0)
+    for i, ((batch, a), (_, b)) in enumerate(zip(source_runner.stream(source, names),
+                                                emitted_runner.stream(source, names))):
+        ua, ub = (_labelled_logits(batch, o, head, source) for o in (a, b))
+        accs[0].update(ua, batch.labels)
+        accs[1].update(ub, batch.labels)
+        if i < max_batches:
+            d, sc, ag, n = _logit_stats(ua, ub)
+            stats = (max(stats[0], d), max(stats[1], sc), stats[2] + ag, stats[3] + n)
+    return accs[0].result(), accs[1].result(), _comparison(*stats)
 
 
 def _evaluate_dense(runner, head, source, label, ignore_index) -> Evaluation:

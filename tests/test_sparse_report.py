@@ -213,6 +213,42 @@ def test_prune_comparison_on_calibration_data_is_that_of_the_two_files(files, tm
         assert streamed[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-6), key
 
 
+def test_evaluate_pair_is_both_evaluations_and_the_comparison(files, tmp_path):
+    """evaluate_pair runs each model once over labelled data: its evaluations equal
+    evaluate_model's and its comparison compare_models' over the first max_batches
+    batches (here 3 of 8); the prune sidecar with --eval-data holds what it gives."""
+    from onnxdiag.data.source import open_data
+    from onnxdiag.evaluate import compare_models, evaluate_model, evaluate_pair, make_head_runner
+    from onnxdiag.model.io import get_input_specs
+
+    out = tmp_path / "p.onnx"
+    side = prune_report_sparse(str(files["res"]), output=out, data=str(files["calib"]),
+                               eval_data=str(files["eval"]),
+                               options=PruneOptions(sparsity=0.8, allocation="uniform"),
+                               **QUIET).report["prune"]
+    source, emitted = load_model(files["res"]), onnx.load(out)
+    head = analyze_structure(source).head
+    ev = np.load(files["eval"])
+    data = open_data({"x": ev["x"], "labels": ev["labels"]}, get_input_specs(source),
+                     batch_size=5)
+    runners = [make_head_runner(m, head) for m in (source, emitted)]
+    pair = evaluate_pair(*runners, head, data, max_batches=3)
+    for got, runner in zip(pair[:2], runners):
+        want = evaluate_model(runner, head, data)
+        assert (got.n_samples, got.accuracy) == (want.n_samples, want.accuracy) == (
+            len(ev["x"]), want.accuracy)
+        assert got.loss == pytest.approx(want.loss, rel=1e-12)
+    assert pair[2] == compare_models(*runners, data, head, max_batches=3)
+    assert pair[2]["n_samples"] == 15
+    full = evaluate_pair(*runners, head, open_data(
+        {"x": ev["x"], "labels": ev["labels"]}, get_input_specs(source), batch_size=64))
+    assert side["accuracy"]["source"] == full[0].to_dict()
+    assert side["accuracy"]["emitted"] == full[1].to_dict()
+    for key in ("n_samples", "max_abs_logit_diff", "top1_agreement"):
+        assert side["comparison"][key] == pytest.approx(full[2][key], abs=1e-6), key
+    assert side["comparison"]["data"] == "evaluation"
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_sparsity_zero_with_any_repair_emits_the_dense_outputs(files, tmp_path, method):
     out = tmp_path / f"{method}.onnx"

@@ -183,22 +183,27 @@ def _measure(inputs: Inputs, pruned, final, pruner, latency_budget) -> dict:
     """``agreement`` (all calibration images, docs/METHODS.md §C4), ``comparison`` (on the
     evaluation data, else the calibration data), ``accuracy`` and ``latency_ms`` (source
     and emitted interleaved, ``latency_budget`` seconds per batch size)."""
-    from ..evaluate import compare_logits, compare_models, evaluate, make_head_runner
+    from ..evaluate import compare_logits, compare_models, evaluate_pair, make_head_runner
     from ..runtime.latency import compare_latency
     from .base import example_input
 
     head, m = pruner.head, inputs.model
     logits = pruner.logits(pruned)  # the pruned model's, on every calibration image
-    if inputs.evaluation is None and head.features_reduce != "positions":
+    evaluations = (None, None)
+    if inputs.evaluation is not None:  # each model run once: evaluated and compared
+        *evaluations, comparison = evaluate_pair(
+            make_head_runner(m, head, providers=pruner.providers),
+            make_head_runner(pruned, head, providers=pruner.providers), head,
+            inputs.evaluation)
+    elif head.features_reduce != "positions":
         # on the calibration data: the logits both models have had computed already
         comparison = compare_logits(pruner.dense_logits, logits)
     else:
         comparison = compare_models(make_head_runner(m, head), make_head_runner(pruned, head),
-                                    inputs.evaluation or inputs.calib, head)
+                                    inputs.calib, head)
     comparison["data"] = "evaluation" if inputs.evaluation is not None else "calibration"
-    accuracy = {role: None if ev is None else ev.to_dict() for role, ev in (
-        ("source", evaluate(m, head, inputs.evaluation, providers=pruner.providers)),
-        ("emitted", evaluate(pruned, head, inputs.evaluation, providers=pruner.providers)))}
+    accuracy = {role: None if ev is None else ev.to_dict()
+                for role, ev in zip(("source", "emitted"), evaluations)}
     x = example_input(inputs.specs, inputs.calib)
     latency = compare_latency(m, final, {1: x[:1], 32: x}, budget_s=latency_budget)
     return {"agreement": {"top1_agreement": pruner.agreement(pruned, logits=logits),
