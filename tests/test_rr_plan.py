@@ -3,6 +3,8 @@ differences (the sparse steps built by one radix sort, not from coordinates)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from corpus import (
@@ -21,6 +23,7 @@ from onnxdiag.model.io import load_model
 from onnxdiag.sparsity import DEFAULT_GRID, find_prunable, magnitude_mask
 from onnxdiag.sparsity.offline import layer_op
 from onnxdiag.sparsity.rr_layer import plan_layer, removal_levels
+from onnxdiag.sparsity.rr_strategy import choose_strategy, layer_positions
 
 
 def _rows_of(op, w: np.ndarray) -> np.ndarray:
@@ -114,3 +117,44 @@ def test_rr_curves_on_layer_threads_equal_one_thread_bit_for_bit(build, monkeypa
         curves[workers] = compute_rr_curves(model, layers, calib, positions=4)
     for name in ("d_raw", "d_repair", "rr"):
         np.testing.assert_array_equal(getattr(curves[1], name), getattr(curves[3], name))
+
+
+VIT = Path(__file__).resolve().parents[1] / "models" / "vit" / "model.onnx"
+
+
+@pytest.mark.parametrize("build", [conv_geometry_head, depthwise_pointwise, gemm_head,
+                                   lambda: load_model(VIT)])
+@pytest.mark.parametrize("positions", [4, None])
+def test_auto_strategy_weighs_the_rows_each_layer_folds(build, positions, monkeypatch):
+    """``auto`` weighs a layer's strategy by the rows it will fold: images × its positions
+    per input read off the inferred shapes (a conv's output positions, a linear layer's
+    tokens), at most ``positions``; those are the rows the pass folds (``n_samples``)."""
+    from onnxdiag.sparsity import compute_rr_curves, repairability
+
+    model = load_model(build())
+    layers = find_prunable(analyze_structure(model))
+    weighed = {}
+
+    def plan(index, layer, grid, strategy="auto", gram_steps=np.float64, n_samples=None):
+        weighed[layer.node_name] = n_samples
+        return plan_layer(index, layer, grid, strategy, gram_steps, n_samples)
+
+    monkeypatch.setattr(repairability, "plan_layer", plan)
+    calib = [random_feeds(model, batch=3, seed=i) for i in range(2)]
+    curves = compute_rr_curves(model, layers, calib, n_images=6, positions=positions)
+    assert [weighed[name] for name in curves.layers] == list(curves.n_samples)
+    assert all(layer_positions(la) is not None for la in layers)
+
+
+def test_auto_strategy_counts_the_gram_finish():
+    """The Gram finish costs C·K² sparse products whatever the rows: a 1000-class head over
+    1280 features folding 64 rows is cheaper grown level by level (measured 0.45 s vs
+    0.02 s, benchmarks/RESULTS.md), which the per-sample rule (rows unknown) misses; a
+    1×1 conv expanding 160 → 960 channels over 1024 rows stays ``gram``, its projection
+    960 → 160 does not (0.059 vs 0.033 s)."""
+    assert choose_strategy(1000, 1280, 1, 28, n_samples=64) == "incremental"
+    assert choose_strategy(1000, 1280, 1, 28) == "gram"
+    assert choose_strategy(960, 160, 1, 28, n_samples=1024) == "gram"
+    assert choose_strategy(160, 960, 1, 28, n_samples=1024) == "incremental"
+    assert choose_strategy(160, 960, 1, 28) == "gram"
+    assert choose_strategy(512, 4608, 1, 28, n_samples=10) == "incremental"  # > GRAM_MAX_ENTRIES

@@ -41,17 +41,20 @@ from ..runtime.executor import raise_failures
 from ..runtime.pool import THREADS, thread_map
 from .rr_capture import capture
 from .rr_layer import (  # noqa: F401 - PairMoments, distortions, … re-exported
-    GRAM_MAX_ENTRIES,
-    GRAM_SPEED,
-    STRATEGIES,
     PairMoments,
     centre_rows,
-    choose_strategy,
     distortions,
-    finish_cost,
     finish_layer,
     layer_unit,
     plan_layer,
+)
+from .rr_strategy import (  # noqa: F401 - GRAM_SPEED, choose_strategy re-exported
+    GRAM_MAX_ENTRIES,
+    GRAM_SPEED,
+    STRATEGIES,
+    choose_strategy,
+    finish_cost,
+    layer_positions,
 )
 
 #: METHODS §C2 default grid: {0, 0.05, …, 0.9} ∪ {0.91, …, 0.99} (28 points).
@@ -169,7 +172,7 @@ def compute_rr_curves(model, layers, source, *, grid=DEFAULT_GRID, n_images: int
     moment_layers = [la for la in layers if not la.is_head] if output_moments and here else []
     with thread_map(len(layers), LAYER_THREADS) as pool:
         plans = largest_first(pool, lambda la: _plan(index, la, grid, strategy, positions,
-                                                      seed), layers, _weight_count,
+                                                      seed, n_images), layers, _weight_count,
                               label and f"{label}: plan")
         captured, seen, moments = capture(
             model, index, layers, plans, source, n_images, positions, seed,
@@ -215,11 +218,16 @@ def _checked(layers, grid, strategy: str, positions) -> tuple[list, np.ndarray, 
     return layers, np.asarray(sorted(float(s) for s in grid)), positions
 
 
-def _plan(index, layer, grid, strategy, positions, seed) -> dict:
-    """One layer's plan with its position draw (sampled Gram products in float32)."""
+def _plan(index, layer, grid, strategy, positions, seed, n_images=None) -> dict:
+    """One layer's plan with its position draw (sampled Gram products in float32);
+    ``n_images``: the images it will fold (for ``auto``'s strategy; None: unknown)."""
     sampled = positions is not None
+    per_image = layer_positions(layer)
+    n_samples = None if n_images is None or per_image is None else n_images * (
+        per_image if positions is None else min(positions, per_image))
     plan = plan_layer(index, layer, grid, strategy,
-                      gram_steps=np.float32 if sampled and GRAM_STEPS_FLOAT32 else np.float64)
+                      gram_steps=np.float32 if sampled and GRAM_STEPS_FLOAT32 else np.float64,
+                      n_samples=n_samples)
     plan["positions"], plan["seed"] = positions, int(seed)
     if plan["mode"] == "gram" and sampled:
         plan["gram_dtype"] = np.float32

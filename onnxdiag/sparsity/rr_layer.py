@@ -11,6 +11,8 @@ distortions per level. Only per-channel moments are kept (memory O(|grid|·C)).
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 from scipy import sparse
 
@@ -18,6 +20,7 @@ from ..graph import GraphIndex
 from .budget import prune_count
 from .masks import magnitude_levels
 from .offline import apply_columns, layer_columns, layer_op, weight_matrix
+from .rr_strategy import choose_strategy
 
 
 class PairMoments:
@@ -95,25 +98,16 @@ def finish_layer(plan: dict) -> tuple[list, int]:
     """(distortions per level, samples folded) of a layer whose batches are all folded."""
     if plan["mode"] == "gram":
         _finish_gram(plan)
-    return [distortions(acc) for acc in plan["acc"]], plan["acc"][0].n
-
-
-def finish_cost(plan: dict) -> float:
-    """Operations of :func:`finish_layer` (to schedule the largest first): a ``gram`` plan's
-    sparse R_l Σ products (its weights × K) and per-level C × K passes; about none for an
-    ``incremental`` one."""
-    if plan["mode"] != "gram":
-        return 0.0
-    c, k = plan["dense_rows"].shape
-    return float(plan["n"]) * k + len(plan["acc"]) * c * k
+        accs = plan["acc"]
+    else:
+        accs = _unshifted(plan)
+    return [distortions(acc) for acc in accs], plan["acc"][0].n
 
 
 def layer_unit(item) -> tuple[list, int]:
     """One layer as a unit of work: fold its captured batches of columns, then finish it.
     A plan marked ``unit_cuts`` (a conv with every position) gets its inputs instead and
     cuts the columns here, batch by batch (they are its input × taps / stride²)."""
-    import copy
-
     plan, batches = item
     plan = copy.deepcopy(plan)  # writable accumulators (Ray's arguments are read-only views)
     for cols in batches:
@@ -123,39 +117,24 @@ def layer_unit(item) -> tuple[list, int]:
     return finish_layer(plan)
 
 
-STRATEGIES = ("auto", "incremental", "gram")
-#: ``gram`` keeps groups·K² float64 per layer; above this many entries ``auto`` never picks it.
-GRAM_MAX_ENTRIES = 4_000_000
-#: Measured on 2 CPU cores (benchmarks/bench_rr.py): BLAS Gram work runs ~8x faster per
-#: operation than the sparse increments and per-level moments.
-GRAM_SPEED = 8
-
-
-def choose_strategy(n_out: int, k: int, groups: int, n_levels: int) -> str:
-    """``gram`` when its per-sample work groups·K² (a multi-threaded BLAS product) is at most
-    ``GRAM_SPEED`` times the incremental one, n_out·(K + 3·n_levels) (single-threaded sparse
-    products plus per-level moments), and its groups·K² accumulator fits GRAM_MAX_ENTRIES."""
-    gram = groups * k * k
-    if gram > GRAM_MAX_ENTRIES:
-        return "incremental"
-    return "gram" if gram <= GRAM_SPEED * n_out * (k + 3 * n_levels) else "incremental"
-
-
 def plan_layer(index: GraphIndex, layer, grid, strategy: str = "auto",
-               gram_steps=np.float64) -> dict:
+               gram_steps=np.float64, n_samples: int | None = None) -> dict:
     """Per layer: its op, dense matrix, the weights removed between consecutive grid points
     (sparse, rows = output channels, columns = column features), and accumulators; or, for
     the ``gram`` strategy, the removed weights per level and the column moments.
     ``gram_steps``: the dtype of a ``gram`` plan's sparse steps and so of its finish's
     products R_l Σ (float32: each step's product rounded to float32 before it is summed
-    in float64); an ``incremental`` plan's steps are float32, as its columns."""
+    in float64); an ``incremental`` plan's steps are float32, as its columns.
+    ``n_samples``: the rows the layer will fold (images × positions), for ``auto``'s
+    choice (:func:`choose_strategy`; None: unknown)."""
     w = np.asarray(index.get_constant(layer.weight), dtype=np.float32)
     op = layer_op(index, layer)
     rows, cols, n_cols, walk = _flat_coordinates(op, w.shape)
     levels = removal_levels(w, grid)
     groups = op.groups if op.kind == "conv" else 1
     if strategy == "auto":
-        strategy = choose_strategy(layer.n_out, n_cols // groups, groups, len(grid))
+        strategy = choose_strategy(layer.n_out, n_cols // groups, groups, len(grid),
+                                   n_samples)
     if strategy == "gram":
         return _gram_plan(op, w, levels, (rows, cols, walk), n_cols, groups, grid, layer.n_out,
                           gram_steps)
@@ -339,10 +318,22 @@ def fold_columns(plan: dict, cols: np.ndarray, own: bool = False) -> None:
     """One batch of columns (m, groups, K): the ``gram`` moments, or y^d once and y^d − y^p
     (the removed weights' output) grown step by step over the grid, so all s together cost
     about one more dense evaluation. ``own``: ``cols`` is a scratch array that may be
-    changed in place."""
+    changed in place.
+
+    The ``incremental`` products run on the columns less a shift (the first batch's
+    column means, in float32): the moments' centred sums do not depend on it, and a layer
+    whose output varies by less than float32's resolution of its mean (a head over
+    near-constant features) keeps its variance; :func:`finish_layer` adds the shift's
+    share back to the means."""
     if plan["mode"] == "gram":
         _fold_gram(plan, cols, own=own)
         return
+    if plan.get("shift") is None:
+        plan["shift"] = cols.mean(axis=0, dtype=np.float64).astype(np.float32)
+    if own and cols.dtype == np.float32:
+        cols = np.subtract(cols, plan["shift"], out=cols)
+    else:
+        cols = np.asarray(cols, np.float32) - plan["shift"]
     dense = centre_rows(apply_columns(cols, plan["dense"]).T)
     cols_t = np.ascontiguousarray(cols.reshape(cols.shape[0], -1).T)
     removed = np.zeros(dense[1].shape)  # (C, P) float64; exact 0 at s = 0
@@ -350,3 +341,23 @@ def fold_columns(plan: dict, cols: np.ndarray, own: bool = False) -> None:
         if step is not None:
             removed += step @ cols_t
         acc.update_channels_first(dense, removed)
+
+
+def _unshifted(plan: dict) -> list:
+    """An ``incremental`` plan's moments with the means moved back by the shift's share
+    (copies: the plan is left as folded): W·shift for y^d, R_l·shift for y^d − y^p
+    (float64 products of the float32 weights and shift)."""
+    shift = plan.get("shift")
+    if shift is None:
+        return plan["acc"]
+    flat = shift.astype(np.float64)
+    mean_a = apply_columns(flat[None], plan["dense"].astype(np.float64))[0]
+    mean_b = np.zeros(len(mean_a))
+    out = []
+    for acc, step in zip(plan["acc"], plan["steps"]):
+        if step is not None:
+            mean_b = mean_b + step.astype(np.float64) @ flat.reshape(-1)
+        moved = copy.copy(acc)
+        moved.mean_a, moved.mean_b = acc.mean_a + mean_a, acc.mean_b + mean_b
+        out.append(moved)
+    return out
