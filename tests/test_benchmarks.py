@@ -30,6 +30,7 @@ SMOKES = {
     "bench_prune.py": (None, ["channels removed ", "| batch | threads | clock |"]),
     "bench_prune_sweep.py": (None, ["| score | kept 0.75 | kept 0.50 |", "FLOPs ratio"]),
     "bench_rr.py": (None, ["RR curves, exact", "naive (prune, full network"]),
+    "bench_rr_layers.py": (None, ["| layer | C | K | groups |", "better of the two per layer"]),
     "bench_reconstruct.py": (None, ["| ls, positions all |",
                                     "FLOPs floor of the sequential LS products"]),
     "bench_selection.py": (None, ["Targets: `labels`", "Targets: `expected`", "Baselines"]),

@@ -27,6 +27,7 @@ from .fold import output_moments
 from .ls_columns import channel_major_columns, conv_geometry, expose_columns, index_feeds
 from .offline import sampled_columns
 from .rr_layer import fold_columns
+from .rr_strategy import fold_cost
 from .segments import feed_dicts
 
 #: Whether a sampled 2-D conv's patches are cut inside the capture graph (**our default**;
@@ -220,9 +221,12 @@ def _fold_moments(fold, layers, outs: dict, moments: dict) -> None:
 
 
 def _fold_or_keep(fold, plans, cols: list, captured: list[list]) -> None:
-    """Each layer's columns folded into its plan (with ``fold``), or kept for its unit."""
+    """Each layer's columns folded into its plan (with ``fold``; the largest folds handed
+    out first, so that no large layer taken last leaves the other threads idle), or kept
+    for its unit."""
     if fold is not None:
-        fold(lambda item: fold_columns(*item, own=True), zip(plans, cols))
+        order = sorted(range(len(plans)), key=lambda i: -fold_cost(plans[i]))
+        fold(lambda item: fold_columns(*item, own=True), [(plans[i], cols[i]) for i in order])
     else:
         for i, c in enumerate(cols):
             captured[i].append(c)

@@ -65,3 +65,14 @@ def layer_positions(layer) -> int | None:
     if not all(isinstance(d, int) and d > 0 for d in axes):
         return None
     return int(np.prod(axes)) if axes else 1
+
+
+def fold_cost(plan: dict) -> float:
+    """Operations per folded row of a plan (to hand the largest folds to the threads
+    first): a ``gram`` plan's groups·K² BLAS work (in sparse units), an ``incremental``
+    one's removed weights plus its per-level moments."""
+    channels = len(plan["acc"][0].mean_a)
+    if plan["mode"] == "gram":
+        k = plan["dense_rows"].shape[1]
+        return plan["groups"] * k * k / GRAM_SPEED
+    return float(plan["n"]) + LEVEL_PASS_COST * len(plan["acc"]) * channels
