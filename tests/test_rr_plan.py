@@ -148,10 +148,10 @@ def test_auto_strategy_weighs_the_rows_each_layer_folds(build, positions, monkey
 
 def test_auto_strategy_counts_the_gram_finish():
     """The Gram finish costs C·K² sparse products whatever the rows: a 1000-class head over
-    1280 features folding 64 rows is cheaper grown level by level (measured 0.45 s vs
-    0.02 s, benchmarks/RESULTS.md), which the per-sample rule (rows unknown) misses; a
-    1×1 conv expanding 160 → 960 channels over 1024 rows stays ``gram``, its projection
-    960 → 160 does not (0.059 vs 0.033 s)."""
+    1280 features folding 64 rows is cheaper grown level by level (0.44 s vs 0.04 s,
+    benchmarks/bench_rr_layers.py on a 224×224 MobileNetV2), which the per-sample rule
+    (rows unknown) misses; a 1×1 conv expanding 160 → 960 channels over 1024 rows stays
+    ``gram`` (0.025 vs 0.108 s), a projection 960 → 160 does not."""
     assert choose_strategy(1000, 1280, 1, 28, n_samples=64) == "incremental"
     assert choose_strategy(1000, 1280, 1, 28) == "gram"
     assert choose_strategy(960, 160, 1, 28, n_samples=1024) == "gram"
