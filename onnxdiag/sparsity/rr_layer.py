@@ -321,19 +321,20 @@ def fold_columns(plan: dict, cols: np.ndarray, own: bool = False) -> None:
     changed in place.
 
     The ``incremental`` products run on the columns less a shift (the first batch's
-    column means, in float32): the moments' centred sums do not depend on it, and a layer
-    whose output varies by less than float32's resolution of its mean (a head over
-    near-constant features) keeps its variance; :func:`finish_layer` adds the shift's
-    share back to the means."""
+    column means, in the columns' float type): the moments' centred sums do not depend
+    on it, and a layer whose output varies by less than float32's resolution of its mean
+    (a head over near-constant features) keeps its variance; :func:`finish_layer` adds
+    the shift's share back to the means."""
     if plan["mode"] == "gram":
         _fold_gram(plan, cols, own=own)
         return
-    if plan.get("shift") is None:
-        plan["shift"] = cols.mean(axis=0, dtype=np.float64).astype(np.float32)
-    if own and cols.dtype == np.float32:
+    if plan.get("shift") is None:  # in the columns' own float type (float32 from ORT)
+        dtype = cols.dtype if cols.dtype in (np.float32, np.float64) else np.float32
+        plan["shift"] = cols.mean(axis=0, dtype=np.float64).astype(dtype)
+    if own and cols.dtype == plan["shift"].dtype:
         cols = np.subtract(cols, plan["shift"], out=cols)
     else:
-        cols = np.asarray(cols, np.float32) - plan["shift"]
+        cols = np.asarray(cols, plan["shift"].dtype) - plan["shift"]
     dense = centre_rows(apply_columns(cols, plan["dense"]).T)
     cols_t = np.ascontiguousarray(cols.reshape(cols.shape[0], -1).T)
     removed = np.zeros(dense[1].shape)  # (C, P) float64; exact 0 at s = 0

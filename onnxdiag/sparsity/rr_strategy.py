@@ -44,9 +44,9 @@ def choose_strategy(n_out: int, k: int, groups: int, n_levels: int,
 
 
 def finish_cost(plan: dict) -> float:
-    """Operations of :func:`finish_layer` (to schedule the largest first): a ``gram`` plan's
-    sparse R_l Σ products (its weights × K) and per-level C × K passes; about none for an
-    ``incremental`` one."""
+    """Operations of :func:`~onnxdiag.sparsity.rr_layer.finish_layer` (to schedule the
+    largest first): a ``gram`` plan's sparse R_l Σ products (its weights × K) and
+    per-level C × K passes; about none for an ``incremental`` one."""
     if plan["mode"] != "gram":
         return 0.0
     c, k = plan["dense_rows"].shape
