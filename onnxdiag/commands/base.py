@@ -220,6 +220,16 @@ def example_input(specs, source) -> dict:
                    for s in specs})
 
 
+#: Samples the emitted file's reload check runs (its outputs against the in-memory
+#: model's): 8, as prune-channels' example batch.
+VERIFY_SAMPLES = 8
+
+
+def first_samples(feeds: dict, n: int = VERIFY_SAMPLES) -> dict:
+    """The first ``n`` samples of every input of a feed dict."""
+    return dict(_Feeds(feeds)[:n])
+
+
 class _Feeds(dict):
     def __getitem__(self, key):  # slice every input: feeds[:1]
         if isinstance(key, slice):

@@ -9,7 +9,15 @@ from dataclasses import dataclass
 from ..errors import OnnxDiagError
 from ..report import SCHEMA_VERSION, render_table, rows_to_csv
 from ..runtime.latency import LATENCY_BUDGET_S, check_latency_budget
-from .base import CommandResult, HeadChoice, ReportTarget, Runtime, finish, render_header
+from .base import (
+    CommandResult,
+    HeadChoice,
+    ReportTarget,
+    Runtime,
+    finish,
+    first_samples,
+    render_header,
+)
 from .pruning import (
     LATENCY_NOTE,
     Inputs,
@@ -165,18 +173,8 @@ def _emit(inputs: Inputs, pruned, pruner, alloc, record, *, budget, output, opti
         "storage": storage, "notes": notes}
     sidecar["emitted"] = _model_facts(pruned, inputs.structure)
     info = emit_model(final, output, source_path=inputs.path, sidecar=sidecar,
-                      protect=protect, verify_feeds=_first(inputs.feeds[0], VERIFY_SAMPLES))
+                      protect=protect, verify_feeds=first_samples(inputs.feeds[0]))
     return info
-
-
-#: Calibration samples the emitted file's reload check runs (its outputs against the
-#: in-memory model's): 8, as prune-channels.
-VERIFY_SAMPLES = 8
-
-
-def _first(feeds: dict, n: int) -> dict:
-    """The first ``n`` samples of a feed dict."""
-    return {k: v[:n] for k, v in feeds.items()}
 
 
 def _measure(inputs: Inputs, pruned, final, pruner, latency_budget) -> dict:
