@@ -31,7 +31,8 @@ round-robin in one process (so load from other processes hits each alike), the m
             positions; capture session included)
   prune     one allocation (rule ``rr`` at S = 0.9, the curves given) + masks + the cr+bn
             repair (its sequential segments, sessions included): what ``onnxdiag prune``
-            does after its RR curves, less emitting the file. RR on every calibration image
+            does after its RR curves, less emitting the file (every call's masks from a
+            selection per layer, as a fresh ``onnxdiag prune``). RR on every calibration image
             (as here) folds the repair's dense moments in its capture pass, so rr includes
             them and prune runs no dense pass; ``--separate-dense-pass``: RR without them
             and prune with a dense-moments pass of its own (before 2026-12-02, 15:00)
@@ -170,6 +171,9 @@ def make_passes(model_path: str, x, y, calib: int, batch_size: int, wanted,
         def prune():  # as `onnxdiag prune` after its RR curves
             pruner.dense_moments.clear()
             pruner.dense_moments.update(curves.output_moments or {})
+            # a fresh Pruner's first masks: a selection per layer (the second call would
+            # sort every layer, the later ones reuse the sorts; prune makes one cell)
+            pruner.orders.clear()
             return pruner.prune(pruner.allocate("rr", 0.9), "cr+bn")
 
         fns["prune"] = prune
