@@ -6,10 +6,10 @@ After a layer's fold the cached output is patched to the repaired layer's (α·y
 except where a conv's output is read by its BatchNormalization alone: that cache stays
 as measured and the BN's segment runs :func:`~onnxdiag.sparsity.recal.bn_stand_in`
 (the BN, its final statistics, α folded in), which spares a pass over the cache.
-A widening 1×1 conv read by its BN alone is measured on its input instead
-(:mod:`~onnxdiag.sparsity.derived`): the pass stops before the conv, its output moments
-come from the input's, its weights take α, and the conv and its BN run in the next
-segment, so its (large) output never leaves ONNX Runtime.
+A widening 1×1 conv (:func:`~onnxdiag.sparsity.derived.derivable`) is measured on its
+input instead: the pass stops before the conv, its output moments come from the input's,
+its weights and bias take the fold, and the conv (and a BN reading it, recalibrated from
+the scaled moments) run in the next segment, so its wide output never leaves ONNX Runtime.
 """
 
 from __future__ import annotations
