@@ -178,3 +178,25 @@ def test_repair_with_derived_layers_equals_the_measured_repair(build, method, mo
     if not out_derived:
         for k in a:
             np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_bn_recalibration_of_folded_convs_with_derived_layers(monkeypatch):
+    """recalibrate_batchnorm re-standardises the convs a torch export folded its BNs into
+    (affine folds, as after channel removal): with the widening ones measured on their
+    inputs the result equals measuring every output, to float32 rounding."""
+    from onnxdiag.sparsity import apply_masks
+    from onnxdiag.sparsity.repair import recalibrate_batchnorm
+
+    model, structure, layers, masks, calib = _setup(_inverted_residual())
+    assert any(derivable(la) for la in layers)
+    pruned = apply_masks(model, masks)
+    fast, rec = recalibrate_batchnorm(pruned, calib, dense_model=model)
+    monkeypatch.setattr(derived_mod, "DERIVE_RATIO", 0)
+    slow, rec_slow = recalibrate_batchnorm(pruned, calib, dense_model=model)
+    assert rec.layers.keys() == rec_slow.layers.keys() and rec.layers
+    for name, r in rec.layers.items():
+        np.testing.assert_allclose(r.alpha, rec_slow.layers[name].alpha, rtol=2e-5)
+        np.testing.assert_allclose(r.shift, rec_slow.layers[name].shift, rtol=1e-4,
+                                   atol=1e-6)
+    la, lb = (np.concatenate([run_ort(m, f)["logits"] for f in calib]) for m in (fast, slow))
+    np.testing.assert_allclose(la, lb, rtol=1e-4, atol=1e-5)
