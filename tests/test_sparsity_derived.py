@@ -11,18 +11,13 @@ import numpy as np
 import onnx
 import pytest
 from corpus import conv_bn_chain, depthwise_pointwise, random_feeds, residual_block, run_ort
+from test_sparsity_repair import _setup as repair_setup
+from test_sparsity_repair import assert_same_initializers
 
 from onnxdiag.graph import analyze_structure
 from onnxdiag.model.io import load_model
-from onnxdiag.sparsity import (
-    allocate_sparsity,
-    describe_layers,
-    find_prunable,
-    make_masks,
-    read_weights,
-    repair_model,
-)
 from onnxdiag.sparsity import derived as derived_mod
+from onnxdiag.sparsity import find_prunable, repair_model
 from onnxdiag.sparsity.derived import derivable, derived_moments, input_moments
 from onnxdiag.sparsity.segments import SegmentedPass
 
@@ -74,14 +69,10 @@ def _inverted_residual():
     return onnx.load_from_string(buf.getvalue())
 
 
-def _setup(model, S=0.6):
-    model = load_model(model)
-    structure = analyze_structure(model)
-    layers = find_prunable(structure)
-    weights = read_weights(model, layers)
-    alloc = allocate_sparsity("uniform", describe_layers(model, layers), S, weights=weights)
-    calib = [random_feeds(model, batch=4, seed=i) for i in range(3)]
-    return model, structure, layers, make_masks(alloc, weights), calib
+def _setup(build):
+    """(model, structure, prunable layers, uniform 60 % masks, 3 calibration batches)."""
+    model, structure, masks, calib = repair_setup(build)
+    return model, structure, find_prunable(structure), masks, calib
 
 
 def test_the_rule_takes_widening_1x1_convs_only(monkeypatch):
@@ -148,7 +139,7 @@ def test_repair_with_derived_layers_equals_the_measured_repair(build, method, mo
     one with every conv measured on its output (the rule's ratio 0) to float32 rounding of
     its initializers, and so do the logits; a derived conv's output is never a segment's
     output (it stays inside ONNX Runtime); a model without such convs is unchanged."""
-    model, structure, layers, masks, calib = _setup(build())
+    model, structure, layers, masks, calib = _setup(build)
     seen: list = []
     real = SegmentedPass._run_segment
 
@@ -167,17 +158,9 @@ def test_repair_with_derived_layers_equals_the_measured_repair(build, method, mo
     assert rec.layers.keys() == rec_slow.layers.keys()
     for name, r in rec.layers.items():
         np.testing.assert_allclose(r.alpha, rec_slow.layers[name].alpha, rtol=2e-5)
-    a = {t.name: onnx.numpy_helper.to_array(t) for t in fast.graph.initializer}
-    b = {t.name: onnx.numpy_helper.to_array(t) for t in slow.graph.initializer}
-    assert a.keys() == b.keys()
-    for k in a:
-        scale = max(float(np.abs(b[k]).max()), 1e-3)
-        assert np.abs(a[k].astype(np.float64) - b[k]).max() <= 2e-5 * scale, k
+    assert_same_initializers(fast, slow, 0.0 if not out_derived else 2e-5)
     la, lb = (np.concatenate([run_ort(m, f)["logits"] for f in calib]) for m in (fast, slow))
     np.testing.assert_allclose(la, lb, rtol=1e-4, atol=1e-5)
-    if not out_derived:
-        for k in a:
-            np.testing.assert_array_equal(a[k], b[k])
 
 
 def test_bn_recalibration_of_folded_convs_with_derived_layers(monkeypatch):
@@ -187,7 +170,7 @@ def test_bn_recalibration_of_folded_convs_with_derived_layers(monkeypatch):
     from onnxdiag.sparsity import apply_masks
     from onnxdiag.sparsity.repair import recalibrate_batchnorm
 
-    model, structure, layers, masks, calib = _setup(_inverted_residual())
+    model, structure, layers, masks, calib = _setup(_inverted_residual)
     assert any(derivable(la) for la in layers)
     pruned = apply_masks(model, masks)
     fast, rec = recalibrate_batchnorm(pruned, calib, dense_model=model)

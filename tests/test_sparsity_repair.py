@@ -54,6 +54,17 @@ def _stats(model, calib, tensors):
     return result
 
 
+def assert_same_initializers(fast, slow, rel: float) -> None:
+    """The two models have the same initializers, each within ``rel`` of its largest
+    magnitude (at least 1e-3)."""
+    a = {t.name: onnx.numpy_helper.to_array(t) for t in fast.graph.initializer}
+    b = {t.name: onnx.numpy_helper.to_array(t) for t in slow.graph.initializer}
+    assert a.keys() == b.keys()
+    for k in a:
+        scale = max(float(np.abs(b[k]).max()), 1e-3)
+        assert np.abs(a[k].astype(np.float64) - b[k]).max() <= rel * scale, k
+
+
 def _logits(model, calib):
     return np.concatenate([run_ort(model, f)["logits"] for f in calib])
 
@@ -344,12 +355,7 @@ def test_fast_moments_give_the_float64_repair(build, method, monkeypatch):
         _float64_path(m)
         slow, rec_slow = repair_model(model, structure, masks, calib, method=method)
     assert rec_fast.passes == rec_slow.passes
-    a = {t.name: onnx.numpy_helper.to_array(t) for t in fast.graph.initializer}
-    b = {t.name: onnx.numpy_helper.to_array(t) for t in slow.graph.initializer}
-    assert a.keys() == b.keys()
-    for k in a:
-        scale = max(float(np.abs(b[k]).max()), 1e-3)
-        assert np.abs(a[k].astype(np.float64) - b[k]).max() <= 2e-6 * scale, k
+    assert_same_initializers(fast, slow, 2e-6)
     np.testing.assert_allclose(_logits(fast, calib), _logits(slow, calib), rtol=1e-5,
                                atol=1e-5)
 
