@@ -14,6 +14,7 @@ import numpy as np
 
 from ..runtime.pool import thread_map
 from ..stats import Moments
+from .fold import merged
 
 #: Derive a 1×1 conv's output moments from its input when C_in² ≤ DERIVE_RATIO · C_out
 #: (**our default**; 0: never): the input's Gram costs C_in² multiply-adds per position,
@@ -21,6 +22,8 @@ from ..stats import Moments
 DERIVE_RATIO = 16
 #: Input values per Gram of :func:`input_moments` (its float64 copy: 32 MiB).
 CHUNK_VALUES = 1 << 22
+
+
 def derivable(layer, ratio: float | None = None) -> bool:
     """Whether ``layer``'s output moments can be derived from its input's and the rule
     (:data:`DERIVE_RATIO`) says they should: a widening 1×1 Conv, one group, stride 1, no
@@ -48,11 +51,7 @@ def input_moments(batches) -> Moments:
         chunks[-1].append(x)
         size += x.size
     with thread_map(len(chunks)) as pool:
-        parts = pool(_chunk_moments, chunks)
-    acc = parts[0]
-    for part in parts[1:]:
-        acc.merge(part)
-    return acc
+        return merged(pool(_chunk_moments, chunks))
 
 
 def _chunk_moments(xs: list) -> Moments:

@@ -56,7 +56,7 @@ def sequential_repair(editor, batches, layers, dense, bns, cr_kind, affine, alph
         for pos, kind, i in progress(items, len(items), label) if label else items:
             tensor = layers[i].output if kind == 0 else bns[i].input[0]
             if tensor in derived:
-                _derived_step(seg, editor, layers[i] if kind == 0 else bns[i], kind, derived,
+                _derived_step(seg, editor, layers[i] if kind == 0 else bns[i], kind,
                               inputs, scaled, done_layers, done_bns, run_to, outputs,
                               (dense, cr_kind, alpha_cap, affine))
                 continue
@@ -112,8 +112,8 @@ def _fold_early(pool, watched: str, fold, folds: list):
     return on_output
 
 
-def _derived_step(seg, editor, item, kind, derived, inputs, scaled, done_layers, done_bns,
-                  run_to, outputs, repair) -> None:
+def _derived_step(seg, editor, item, kind, inputs, scaled, done_layers, done_bns, run_to,
+                  outputs, repair) -> None:
     """A derived layer (``kind`` 0: the pass runs to its input, its pruned output moments
     come from the input's moments, ``inputs`` {tensor: Moments}, shared by the layers
     reading one input; the fold (α, an affine shift) goes into its weights and bias;
@@ -123,7 +123,7 @@ def _derived_step(seg, editor, item, kind, derived, inputs, scaled, done_layers,
         done_bns[item.name] = recalibrate_bn(seg.frontier, editor, item, scaled[item.input[0]])
         return
     dense, cr_kind, alpha_cap, affine = repair
-    source = derived[item.output]
+    source = item.input
     # the input's batches folded while the segment producing them runs on
     folds = run_to(seg.position(source), [source, *outputs],
                    None if source in inputs else (source, input_moments))
